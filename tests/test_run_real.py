@@ -1,0 +1,107 @@
+"""`qpipe run` / `plan` / `cache` as a user runs them, on the real SmolLM2 model, in real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "smollm2-135m-int8.yaml"
+
+pytestmark = pytest.mark.slow
+
+
+def qpipe(*args: str, store: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "qpipe", *args, "--store", str(store)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    if check and result.returncode != 0:
+        raise AssertionError(f"qpipe {args} failed ({result.returncode}):\n{result.stderr}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    store = tmp_path_factory.mktemp("store")
+    qpipe("run", str(RECIPE), "--until", "convert", store=store)
+    return store
+
+
+def _stages(result: subprocess.CompletedProcess[str]) -> dict[str, dict]:
+    return {s["name"]: s for s in json.loads(result.stdout)["stages"]}
+
+
+def test_convert_writes_a_verified_checkpoint(converted: Path) -> None:
+    stage = _stages(qpipe("plan", str(RECIPE), "--until", "convert", "--json", store=converted))
+    convert = stage["convert"]
+    assert convert["status"] == "hit"
+    out = Path(convert["path"])
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json",
+            "convert.json", "meta.json"} <= {p.name for p in out.iterdir()}  # fmt: skip
+    assert convert["metrics"]["max_abs_logit_diff"] <= convert["metrics"]["logit_tolerance"]
+    assert convert["metrics"]["num_parameters"] == 134_515_008
+    plan_text = qpipe("plan", str(RECIPE), "--until", "convert", store=converted).stdout
+    assert "verified: max |Δlogit|" in plan_text
+
+
+def test_noop_rerun_is_fast_and_runs_nothing(converted: Path) -> None:
+    started = time.perf_counter()
+    result = qpipe("run", str(RECIPE), "--until", "convert", "--json", store=converted)
+    elapsed = time.perf_counter() - started
+    stages = _stages(result)
+    assert stages["convert"]["status"] == "hit"
+    assert elapsed < 3.0, f"no-op re-run took {elapsed:.2f}s"
+    manifest = json.loads(result.stdout)
+    assert manifest["recipe"]["name"] == "smollm2-135m-int8"
+    assert manifest["environment"]["tools"]["torch"].startswith("2.13")
+
+
+def test_kill_during_convert_then_resume(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qpipe", "run", str(RECIPE), "--until", "convert", "--store",
+         str(store)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.time() + 300
+    partial: list[Path] = []
+    while time.time() < deadline and not partial:  # wait until the stage is writing its output
+        partial = [p for p in (store / "tmp").glob("convert-*/*") if p.stat().st_size > 0]
+        time.sleep(0.05)
+    assert partial, "convert never started writing"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not list((store / "objects").glob("*/*")), "a killed stage left a visible entry"
+    plan = _stages(qpipe("plan", str(RECIPE), "--until", "convert", "--json", store=store))
+    assert plan["convert"]["status"] == "miss"
+    resumed = _stages(qpipe("run", str(RECIPE), "--until", "convert", "--json", store=store))
+    assert resumed["convert"]["status"] == "ran"
+    gc = qpipe("cache", "gc", store=store)
+    assert "removed tmp/convert-" in gc.stderr
+    assert not list((store / "tmp").iterdir())
+
+
+def test_corrupted_checkpoint_is_detected_and_rebuilt(converted: Path, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    subprocess.run(["cp", "-a", str(converted), str(store)], check=True)
+    convert = _stages(qpipe("plan", str(RECIPE), "--until", "convert", "--json", store=store))
+    weights = (
+        Path(convert["convert"]["path"].replace(str(converted), str(store))) / "model.safetensors"
+    )
+    with weights.open("r+b") as handle:  # flip bytes inside the tensor data, size unchanged
+        handle.seek(weights.stat().st_size // 2)
+        handle.write(b"\x00\x01\x02\x03")
+    verify = qpipe("cache", "verify", store=store, check=False)
+    assert verify.returncode == 1
+    assert "model.safetensors does not match its checksum" in verify.stderr
+    verify = qpipe("cache", "verify", "--quarantine", store=store, check=False)
+    plan = _stages(qpipe("plan", str(RECIPE), "--until", "convert", "--json", store=store))
+    assert plan["convert"]["status"] == "miss"
