@@ -20,8 +20,10 @@ cache_app = typer.Typer(no_args_is_help=True, help="Inspect and maintain the art
 app.add_typer(recipe_app, name="recipe")
 app.add_typer(cache_app, name="cache")
 
-console = Console(stderr=True)
-out = Console()
+# NOTE: CI logs are not terminals; rich would wrap tables at 80 columns and split the paths.
+_WIDTH = None if sys.stdout.isatty() else 200
+console = Console(stderr=True, width=_WIDTH)
+out = Console(width=_WIDTH)
 
 StoreOption = Annotated[
     str | None,
@@ -67,7 +69,9 @@ def _pipeline(recipe_path: Path, store: str | None, recipe: Recipe | None = None
     recipe = recipe or _load(recipe_path)
     opened = _open_store(store, recipe)
     cache_root = opened.local_root or default_home()
-    return Pipeline(recipe, recipe_path.resolve().parent, opened, HashCache(cache_root / "hashes.db"))
+    return Pipeline(
+        recipe, recipe_path.resolve().parent, opened, HashCache(cache_root / "hashes.db")
+    )
 
 
 def _note(stage: Any) -> str:
@@ -133,7 +137,9 @@ def plan(
     except StageError as exc:
         raise _fail(str(exc)) from exc
     if as_json:
-        out.print_json(json.dumps({"recipe": str(recipe), "stages": [p.to_json() for p in planned]}))
+        out.print_json(
+            json.dumps({"recipe": str(recipe), "stages": [p.to_json() for p in planned]})
+        )
     else:
         out.print(_table(planned, f"plan: {recipe}  (store: {pipeline.store.location})"))
 
@@ -214,9 +220,30 @@ def recipe_validate(files: list[Path]) -> None:
             for problem in exc.problems:
                 console.print(f"[red]{problem}[/]", highlight=False, soft_wrap=True)
             continue
+        problem = _model_problem(recipe, path.resolve().parent)
+        if problem:
+            bad += 1
+            console.print(f"[red]{path}: {problem}[/]", highlight=False, soft_wrap=True)
+            continue
         out.print(f"[green]ok[/] {path}: {recipe.name} ({recipe.quantization.method})")
     if bad:
         raise typer.Exit(2)
+
+
+def _model_problem(recipe: Recipe, recipe_dir: Path) -> str | None:
+    """Check the recipe against the model's shape when the model is here (group size, ...)."""
+    from qpipe.convert import SourceError, resolve_source, source_config
+    from qpipe.quant.group_size import GroupSizeError, check_group_size
+
+    try:
+        source = resolve_source(recipe.model.source, recipe.model.allow_pickle, recipe_dir)
+    except SourceError:
+        return None  # the model lives elsewhere (e.g. a GPU box's HF cache): checked at run time
+    try:
+        check_group_size(source_config(source), recipe.quantization)
+    except GroupSizeError as exc:
+        return str(exc)
+    return None
 
 
 @recipe_app.command("schema")
@@ -322,7 +349,9 @@ def _recipe_shape(path: Path, store: str | None) -> tuple[Any, str, int]:
     pipeline = _pipeline(path, store)
     convert = pipeline.plan(until="convert")[0]
     if convert.path is None:
-        raise _fail(f"the model of {path} is not converted yet: run `qpipe run {path} --until convert`")
+        raise _fail(
+            f"the model of {path} is not converted yet: run `qpipe run {path} --until convert`"
+        )
     q = pipeline.recipe.quantization
     quant = RECIPE_QUANT.get(q.method) or DTYPE_QUANT[pipeline.recipe.model.dtype]
     if q.method == "gptq":
@@ -333,8 +362,9 @@ def _recipe_shape(path: Path, store: str | None) -> tuple[Any, str, int]:
 @app.command()
 def fit(
     model: Annotated[Path, typer.Argument(help="config.json, checkpoint dir, or recipe (.yaml).")],
-    gpu: Annotated[str, typer.Option(help="A100-40G, A100-80G, H100, H200, L40S, A10, L4, "
-                                          "RTX4090, or GiB.")] = "H100",  # fmt: skip
+    gpu: Annotated[
+        str, typer.Option(help="A100-40G, A100-80G, H100, H200, L40S, A10, L4, RTX4090, or GiB.")
+    ] = "H100",  # fmt: skip
     tp: Annotated[int, typer.Option(help="Tensor-parallel GPUs.")] = 1,
     quant: Annotated[str | None, typer.Option(help="fp32|bf16|fp16|int8|fp8|int4.")] = None,
     kv_dtype: Annotated[str, typer.Option(help="KV cache dtype: bf16|fp16|fp8|int8.")] = "bf16",

@@ -115,7 +115,9 @@ def _hf_dir(path: Path, allow_pickle: bool) -> ResolvedSource:
     return ResolvedSource(f"dir:{path}", "hf-dir", path, tuple(weights + meta))
 
 
-def resolve_source(spec: str, allow_pickle: bool = False, base: Path | None = None) -> ResolvedSource:
+def resolve_source(
+    spec: str, allow_pickle: bool = False, base: Path | None = None
+) -> ResolvedSource:
     """Find the files a source spec names, without loading anything heavy."""
     scheme, sep, rest = spec.partition(":")
     if not sep or scheme not in ("gguf", "package", "hf", "dir"):
@@ -137,8 +139,45 @@ def resolve_source(spec: str, allow_pickle: bool = False, base: Path | None = No
     return _hf_dir(path, allow_pickle)
 
 
+_GGUF_CONFIG_FIELDS = {
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "num_hidden_layers": "block_count",
+    "head_dim": "rope.dimension_count",
+}
+
+
+def source_config(source: ResolvedSource) -> dict[str, object]:
+    """The model's shape (config.json fields) without loading weights: for checks before a run."""
+    if source.kind == "hf-dir":
+        return json.loads((source.path / "config.json").read_text())
+    from gguf import GGUFReader
+
+    fields = GGUFReader(source.path).fields
+    arch = fields["general.architecture"].contents()
+    return {
+        name: fields[f"{arch}.{key}"].contents()
+        for name, key in _GGUF_CONFIG_FIELDS.items()
+        if f"{arch}.{key}" in fields
+    }
+
+
 def _verification_inputs(tokenizer: object, prompts: list[str]) -> list[list[int]]:
     return [tokenizer(p)["input_ids"] for p in prompts]  # type: ignore[operator]
+
+
+def _align_special_tokens(tokenizer: object, config: object) -> None:
+    """Take EOS/PAD from the model config, which transformers reads correctly from GGUF metadata.
+
+    transformers 5.17's GGUF tokenizer conversion gives SmolLM2 `<|im_start|>` as EOS (the config says
+    `<|im_end|>`, id 2); a server or generate() stopping on the wrong token never stops.
+    """
+    for role in ("eos", "pad"):
+        token_id = getattr(config, f"{role}_token_id", None)
+        if isinstance(token_id, int) and getattr(tokenizer, f"{role}_token_id") != token_id:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
 
 
 def convert_to_dir(
@@ -159,6 +198,7 @@ def convert_to_dir(
         # NOTE: the weights are already dequantized; dropping the GGUF marker makes them saveable.
         del model.config.quantization_config
         model.hf_quantizer = None
+        _align_special_tokens(tokenizer, model.config)
     token_ids = _verification_inputs(tokenizer, list(prompts))
     with torch.inference_mode():
         reference = [model(torch.tensor([ids])).logits[0] for ids in token_ids]

@@ -101,7 +101,9 @@ class Pipeline:
         keys: dict[str, str] = {}
         for name, stage in self._stages():
             if stage is None:
-                planned.append(PlannedStage(name, "unavailable", reason=f"not available yet: {name}"))
+                planned.append(
+                    PlannedStage(name, "unavailable", reason=f"not available yet: {name}")
+                )
                 if self._reached(name, until):
                     break
                 continue
@@ -278,8 +280,15 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "tools": tool_versions(
-            ("qpipe", "torch", "transformers", "llmcompressor", "compressed-tensors", "lm-eval",
-             "tensorrt_llm")  # fmt: skip
+            (
+                "qpipe",
+                "torch",
+                "transformers",
+                "llmcompressor",
+                "compressed-tensors",
+                "lm-eval",
+                "tensorrt_llm",
+            )  # fmt: skip
         ),
     }
 

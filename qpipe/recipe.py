@@ -169,9 +169,7 @@ def _describe(error: dict[str, Any], root: yaml.Node | None) -> tuple[int | None
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         where = ".".join(str(p) for p in loc[:-1]) or "the recipe"
-        message = (
-            f"unknown key {loc[-1]!r} in {where}{hint} (valid keys: {', '.join(valid)})"
-        )
+        message = f"unknown key {loc[-1]!r} in {where}{hint} (valid keys: {', '.join(valid)})"
     elif kind == "missing":
         node = _node_at(root, loc[:-1])
         message = "required key is missing"

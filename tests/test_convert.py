@@ -87,3 +87,4 @@ def test_gguf_to_safetensors_round_trip(smollm2_checkpoint: Path) -> None:
         assert torch.equal(gguf_model(ids).logits, converted(ids).logits)
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert "<|im_start|>user" in chat
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)  # GGUF said so

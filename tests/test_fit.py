@@ -42,7 +42,7 @@ def test_breakdown_adds_up_and_quantization_shrinks_weights() -> None:
     assert bf16.kv_cache_gib == pytest.approx(131_072 * 8192 * 4 / GIB)
     int4 = fit(FitRequest(shape, gpu_gib=80, gpu_name="H100", quant="int4", group_size=128))
     linear = shape.linear_params
-    expected = (linear * 0.5 + linear / 128 * 2 + (shape.embedding_params + shape.norm_params) * 2)
+    expected = linear * 0.5 + linear / 128 * 2 + (shape.embedding_params + shape.norm_params) * 2
     assert int4.weights_gib == pytest.approx(expected / GIB)
 
 

@@ -158,3 +158,19 @@ def test_cli_validate_and_schema(tmp_path: Path) -> None:
     assert schema.exit_code == 0
     parsed = json.loads(schema.stdout)
     assert {"name", "model", "quantization", "build"} <= set(parsed["properties"])
+
+
+def test_group_size_that_does_not_divide_the_model_fails_validation(tmp_path: Path) -> None:
+    """SmolLM2's hidden size is 576: group 128 must be refused before anything runs."""
+    text = (REPO / "recipes" / "smollm2-135m-gptq.yaml").read_text()
+    bad = tmp_path / "recipes" / "bad.yaml"
+    bad.parent.mkdir()
+    bad.write_text(text.replace("group_size: 64", "group_size: 128"))
+    (tmp_path / "calibration").symlink_to(REPO / "calibration")
+    result = CliRunner().invoke(app, ["recipe", "validate", str(bad)])
+    assert result.exit_code == 2
+    assert (
+        "quantization.group_size: 128 does not divide hidden_size 576 of "
+        "model.layers.*.self_attn.q_proj" in result.output
+    )
+    assert "use 64 or 32" in result.output

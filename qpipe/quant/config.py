@@ -150,6 +150,21 @@ class QuantizationConfig(Section):
         return self.symmetric if self.symmetric is not None else self.method != "awq"
 
     @property
+    def parameters(self) -> dict[str, object]:
+        """The method's parameters with defaults resolved (what qpipe_quant.json records)."""
+        resolved: dict[str, object] = {
+            "bits": self.weight_bits,
+            "group_size": self.effective_group_size,
+            "symmetric": self.is_symmetric,
+            "weights": self.weights or "per-channel",
+        }
+        return {
+            name: resolved.get(name, getattr(self, name))
+            for name, methods in _PARAMETER_METHODS.items()
+            if self.method in methods and name != "auto_keep_16bit"
+        }
+
+    @property
     def method_calibrates(self) -> bool:
         """Whether the method itself reads activations (AWQ, GPTQ, SmoothQuant, static scales)."""
         if self.method in ("none", "int8-wo", "int4-wo"):

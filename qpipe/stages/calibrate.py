@@ -1,0 +1,79 @@
+"""calibrate: the user's domain data + the model's tokenizer -> a tokenized, hashed calibration set.
+
+Its key covers the dataset's bytes (a dataset directory is declared whole: the pipeline hashes every
+file below it) and, through convert's key, the tokenizer: editing one sample re-runs calibrate and
+what follows, nothing upstream.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from qpipe.quant.config import CalibrationConfig
+from qpipe.recipe import Recipe
+from qpipe.stages.base import Stage, StageContext, StageError, StageResult
+
+
+class _CalibrateSection(BaseModel):
+    """The settings without the dataset path: the data is keyed by content, so a moved file hits."""
+
+    settings: dict[str, Any]
+
+
+def _config(recipe: Recipe) -> CalibrationConfig:
+    if recipe.calibration is None:
+        raise StageError("the recipe has no calibration section; add calibration.dataset")
+    return recipe.calibration
+
+
+def _dataset_path(config: CalibrationConfig, recipe_dir: Path) -> Path:
+    path = Path(config.dataset).expanduser()
+    return path if path.is_absolute() else (recipe_dir / path).resolve()
+
+
+class CalibrateStage(Stage):
+    name = "calibrate"
+    version = 1
+    needs = ("convert",)
+
+    def section(self, recipe: Recipe) -> BaseModel | None:
+        return _CalibrateSection(settings=_config(recipe).model_dump(exclude={"dataset"}))
+
+    def input_files(self, recipe: Recipe, recipe_dir: Path) -> list[Path]:
+        config = _config(recipe)
+        path = _dataset_path(config, recipe_dir)
+        if not path.exists():
+            raise StageError(
+                f"calibration.dataset: {path} does not exist (a relative path is resolved from "
+                f"the recipe's directory, {recipe_dir}); fix the path"
+            )
+        return [path]
+
+    def tools(self, recipe: Recipe) -> tuple[str, ...]:
+        return ("transformers", "tokenizers")
+
+    def run(self, ctx: StageContext) -> StageResult:
+        from transformers import AutoTokenizer
+
+        from qpipe.calibration.builder import build_calibration_set
+
+        config = _config(ctx.recipe)
+        tokenizer = AutoTokenizer.from_pretrained(ctx.inputs["convert"])
+        calibration_set = build_calibration_set(
+            config, _dataset_path(config, ctx.recipe_dir), tokenizer
+        )
+        calibration_set.save(ctx.out_dir)
+        stats = calibration_set.stats
+        return StageResult(
+            metrics={
+                "rows": stats.rows,
+                "samples_kept": stats.kept,
+                "samples_read": stats.samples_read,
+                "tokens": stats.tokens.in_rows,
+                "truncated": stats.truncated,
+                "content_hash": stats.content_hash,
+            }
+        )

@@ -1,0 +1,276 @@
+"""The bench client and CLI against a small OpenAI-compatible server with scripted delays and
+faults.
+
+The server streams two tokens per chunk and reports `usage`, so a client that counted chunks would
+report half the tokens: the token totals below would catch it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from typer.testing import CliRunner
+
+from qpipe.bench.cli import bench_app
+from qpipe.bench.client import Target, arrival_gaps, run_load
+from qpipe.bench.config import LoadProfile
+from qpipe.bench.dataset import BenchPrompt, load_prompts
+from qpipe.bench.history import History, history_path
+from qpipe.bench.metrics import compute_metrics, parse_goodput
+from qpipe.bench.runner import BenchError, BenchOptions, run_benchmark
+
+TTFT_S = 0.2
+STEP_S = 0.01  # per token; two tokens per chunk
+TOKENS_PER_CHUNK = 2
+
+
+class WordTokenizer:
+    """Whitespace tokenizer: enough for prompt lengths and counting `tok` words."""
+
+    vocab_size = 1000
+    all_special_ids: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [hash(w) % self.vocab_size for w in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(f"w{i}" for i in ids)
+
+
+class ScriptedServer:
+    """`/{mode}/v1/...`: `ok`, `nousage`, `flaky` (every 4 requests: ok, HTTP 500, dropped
+    mid-stream, cut without [DONE]), `stall` (one chunk, then silence), `keepalive` (comments)."""
+
+    def __init__(self) -> None:
+        self.counter = itertools.count()
+        self.loop = asyncio.new_event_loop()
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.runner: web.AppRunner | None = None
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def url(self, mode: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{mode}"
+
+    def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/{mode}/v1/models", self.models)
+        app.router.add_post("/{mode}/v1/completions", self.complete)
+        app.router.add_post("/{mode}/v1/chat/completions", self.complete)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._serve(app), self.loop).result(10)
+
+    async def _serve(self, app: web.Application) -> None:
+        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
+        await self.runner.setup()
+        await web.SockSite(self.runner, self.sock).start()
+
+    def stop(self) -> None:
+        assert self.runner is not None
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "scripted-model"}]})
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        mode = request.match_info["mode"]
+        body = await request.json()
+        chat = "messages" in body
+        prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        turn = next(self.counter) % 4 if mode == "flaky" else 0
+        if turn == 1:
+            return web.json_response({"error": {"message": "engine overloaded"}}, status=500)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        if mode == "keepalive":
+            while True:
+                await response.write(b": keep-alive\n\n")
+                await asyncio.sleep(0.1)
+        await asyncio.sleep(TTFT_S)
+        for index in range(body["max_tokens"] // TOKENS_PER_CHUNK):
+            if index > 0:
+                await asyncio.sleep(STEP_S * TOKENS_PER_CHUNK)
+            text = "tok " * TOKENS_PER_CHUNK
+            choice = (
+                {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            )
+            await response.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+            if mode == "stall":
+                await asyncio.sleep(30)
+            if turn == 2 and index == 2:
+                request.transport.close()  # the connection dies mid-stream
+                return response
+        if turn == 3:
+            await response.write_eof()  # a proxy ends the stream early but cleanly
+            return response
+        if mode != "nousage":
+            usage = {
+                "prompt_tokens": len(prompt.split()),
+                "completion_tokens": body["max_tokens"],
+                "total_tokens": len(prompt.split()) + body["max_tokens"],
+            }
+            await response.write(
+                f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+            )
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ScriptedServer]:
+    scripted = ScriptedServer()
+    scripted.start()
+    yield scripted
+    scripted.stop()
+
+
+def _prompts(num: int, output_len: int = 16) -> list[BenchPrompt]:
+    return load_prompts("random", WordTokenizer(), num, 32, output_len)
+
+
+def test_figures_are_consistent_with_the_scripted_server(server: ScriptedServer) -> None:
+    target = Target(server.url("ok"), "scripted-model")
+    start = time.perf_counter()
+    load = asyncio.run(run_load(target, _prompts(16), concurrency=4))
+    wall = time.perf_counter() - start
+    m = compute_metrics(load, parse_goodput("ttft:400,tpot:50"))
+    s = m.summary()
+    assert (m.completed, m.failed) == (16, 0)
+    assert m.total_output_tokens == 16 * 16  # from usage, not the 8 chunks per request
+    assert m.total_input_tokens == 16 * 32
+    assert s["output_throughput"] == pytest.approx(m.total_output_tokens / m.duration)
+    assert m.total_output_tokens / wall == pytest.approx(s["output_throughput"], rel=0.15)
+    assert s["request_throughput"] == pytest.approx(16 / m.duration)
+    assert TTFT_S * 1000 <= s["mean_ttft_ms"] < TTFT_S * 1000 + 120
+    assert s["p99_ttft_ms"] >= s["median_ttft_ms"]
+    # 7 chunk gaps of 2 tokens each spread over 15 tokens after the first chunk
+    expected_tpot = 7 * TOKENS_PER_CHUNK * STEP_S * 1000 / 15
+    assert s["median_tpot_ms"] == pytest.approx(expected_tpot, rel=0.5)
+    assert s["median_itl_ms"] == pytest.approx(TOKENS_PER_CHUNK * STEP_S * 1000, rel=0.5)
+    assert s["mean_e2el_ms"] == pytest.approx(s["mean_ttft_ms"] + 7 * 20, rel=0.3)
+    assert s["request_goodput"] == pytest.approx(s["request_throughput"])
+    assert parse_goodput("ttft:1")  # an SLO nobody meets gives goodput 0
+    assert compute_metrics(load, parse_goodput("ttft:1")).request_goodput == 0.0
+
+
+def test_chat_and_tokenizer_counts_when_the_server_sends_no_usage(server: ScriptedServer) -> None:
+    target = Target(server.url("nousage"), "scripted-model", chat=True)
+    load = asyncio.run(run_load(target, _prompts(4, 8), concurrency=2, tokenizer=WordTokenizer()))
+    assert compute_metrics(load).total_output_tokens == 4 * 8
+    bare = asyncio.run(run_load(target, _prompts(2, 8), concurrency=2))
+    with pytest.raises(ValueError, match="--tokenizer"):
+        compute_metrics(bare)
+
+
+def test_errors_and_dropped_streams_are_counted_with_reasons(server: ScriptedServer) -> None:
+    target = Target(server.url("flaky"), "scripted-model", read_timeout_s=5)
+    load = asyncio.run(run_load(target, _prompts(8), concurrency=2))
+    m = compute_metrics(load)
+    assert m.completed + m.failed == 8
+    assert m.failed_reasons == {
+        "HTTP 500": 2,
+        "connection dropped mid-stream": 2,
+        "stream ended without [DONE] (cut by a proxy or the server)": 2,
+    }
+    assert any("engine overloaded" in e for e in m.errors)
+    assert m.total_output_tokens == 2 * 16  # failed requests add no tokens
+
+
+def test_stalled_and_trickling_servers_fail_in_bounded_time(server: ScriptedServer) -> None:
+    start = time.perf_counter()
+    stalled = asyncio.run(
+        run_load(Target(server.url("stall"), "m", read_timeout_s=0.5), _prompts(3), concurrency=3)
+    )
+    trickle = asyncio.run(
+        run_load(
+            Target(server.url("keepalive"), "m", read_timeout_s=5, request_timeout_s=0.8),
+            _prompts(2),
+            concurrency=2,
+        )
+    )
+    refused = asyncio.run(run_load(Target("http://127.0.0.1:9", "m"), _prompts(2), concurrency=2))
+    assert time.perf_counter() - start < 8
+    assert compute_metrics(stalled).failed_reasons == {"read timeout": 3}
+    assert compute_metrics(trickle).failed_reasons == {"request timeout": 2}
+    assert compute_metrics(refused).failed_reasons == {"connect error": 2}
+
+
+def test_request_rate_spaces_arrivals(server: ScriptedServer) -> None:
+    gaps = arrival_gaps(4000, request_rate=10.0, burstiness=1.0, seed=1)
+    assert sum(gaps) / len(gaps) == pytest.approx(0.1, rel=0.1)
+    bursty = arrival_gaps(4000, request_rate=10.0, burstiness=0.25, seed=1)
+    assert _cv(bursty) == pytest.approx(2.0, rel=0.2) and _cv(gaps) == pytest.approx(1.0, rel=0.1)
+    assert arrival_gaps(3, None, 1.0, 0) == [0.0, 0.0, 0.0]
+    load = asyncio.run(
+        run_load(Target(server.url("ok"), "m"), _prompts(8, 2), 8, request_rate=8.0, seed=3)
+    )
+    expected = sum(arrival_gaps(8, 8.0, 1.0, 3))
+    assert load.duration_s >= expected
+
+
+def test_warm_up_failure_names_the_endpoint(server: ScriptedServer) -> None:
+    target = Target("http://127.0.0.1:9", "m", read_timeout_s=2)
+    profile = LoadProfile(input_len=8, output_len=4, concurrency=1, num_prompts=1)
+    with pytest.raises(BenchError, match="warm-up request to http://127.0.0.1:9"):
+        run_benchmark(target, [profile], BenchOptions(), WordTokenizer(), show_progress=False)
+
+
+def test_cli_writes_results_plots_and_history(server: ScriptedServer, tmp_path: Path) -> None:
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(json.dumps({"prompt": f"question {i} " * 5}) for i in range(3)))
+    args = [
+        "--endpoint", server.url("ok"), "--concurrency", "1,4", "--output-len", "8",
+        "--dataset", str(dataset), "--num-prompts", "4", "--goodput", "ttft:1000",
+        "--result-file", str(tmp_path / "r.json"), "--plot-dir", str(tmp_path / "plots"),
+        "--store", str(tmp_path / "store"), "--alias", "scripted", "--hardware", "test-box",
+    ]  # fmt: skip
+    result = CliRunner().invoke(bench_app, args)
+    assert result.exit_code == 0, result.output
+    levels = [json.loads(line) for line in (tmp_path / "r.json").read_text().splitlines()]
+    assert [lv["max_concurrency"] for lv in levels] == [1, 4]
+    for level in levels:
+        assert level["model_id"] == "scripted-model"  # from /v1/models
+        assert level["completed"] == 4 and level["failed"] == 0
+        assert level["total_output_tokens"] == 4 * 8
+        assert level["request_goodput"] == pytest.approx(level["request_throughput"])
+        for key in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "p90_e2el_ms", "std_ttft_ms"):
+            assert level[key] > 0
+    assert levels[1]["request_throughput"] > levels[0]["request_throughput"] * 2
+    plots = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert plots == [
+        "throughput_vs_concurrency.png",
+        "tpot_distribution.png",
+        "ttft_distribution.png",
+    ]
+    assert all((tmp_path / "plots" / p).read_bytes()[:4] == b"\x89PNG" for p in plots)
+    rows = History(history_path(tmp_path / "store")).runs("scripted")
+    assert {r.profile for r in rows} == {
+        "prompts.jsonl:out8:c1:rateinf:n4",
+        "prompts.jsonl:out8:c4:rateinf:n4",
+    }
+    assert all(r.hardware == "test-box" and not r.accepted for r in rows)
+    listing = CliRunner().invoke(
+        bench_app,
+        ["history", "scripted", "--store", str(tmp_path / "store")],
+        env={"COLUMNS": "200"},
+    )
+    assert listing.exit_code == 0 and listing.output.count("test-box") == 2
+
+
+def _cv(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / len(values)
+    return var**0.5 / mean

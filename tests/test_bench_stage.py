@@ -1,0 +1,116 @@
+"""The bench stage and the client against qpipe's own server on the tiny random Llama."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from qpipe.bench.client import Target
+from qpipe.bench.config import LoadProfile
+from qpipe.bench.dataset import load_tokenizer
+from qpipe.bench.history import History, history_path
+from qpipe.bench.runner import BenchOptions, run_benchmark
+from qpipe.bench.server_process import BuiltinServer
+from qpipe.recipe import parse_recipe
+from qpipe.stages.base import StageContext
+from qpipe.stages.bench import BenchStage, scaled_for_cpu
+from qpipe.store.local import LocalStore
+
+
+@pytest.fixture(scope="module")
+def tiny_server(
+    tiny_llama_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BuiltinServer]:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    args = {"device": "cpu", "served_model_name": "tiny", "max_num_seqs": 8}
+    with BuiltinServer(tiny_llama_checkpoint, log, args, startup_timeout_s=180) as server:
+        yield server
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_client_against_the_builtin_server(
+    tiny_server: BuiltinServer, tiny_llama_checkpoint: Path, chat: bool
+) -> None:
+    tokenizer = load_tokenizer(tiny_llama_checkpoint)
+    profile = LoadProfile(input_len=48, output_len=24, concurrency=4, num_prompts=8)
+    target = Target(tiny_server.base_url, "tiny", chat=chat)
+    (level,) = run_benchmark(target, [profile], BenchOptions(), tokenizer, show_progress=False)
+    s = level.metrics.summary()
+    assert (s["completed"], s["failed"]) == (8, 0), level.metrics.errors
+    # ignore_eos: every request yields exactly output_len tokens, counted by the server's usage
+    assert level.metrics.output_lens == [24] * 8
+    if not chat:  # the chat template adds tokens around the prompt
+        assert level.metrics.input_lens == [48] * 8
+    assert s["output_throughput"] == pytest.approx(8 * 24 / s["duration"])
+    assert s["total_token_throughput"] > s["output_throughput"]
+    assert 0 < s["median_ttft_ms"] <= s["p99_ttft_ms"] <= s["p99_e2el_ms"]
+    assert 0 < s["mean_tpot_ms"] < s["mean_e2el_ms"]
+    metrics = tiny_server_metrics(tiny_server)
+    assert "qpipe:time_to_first_token_seconds_count" in metrics
+
+
+def tiny_server_metrics(server: BuiltinServer) -> str:
+    import httpx
+
+    return httpx.get(f"{server.base_url}/metrics", timeout=10).text
+
+
+def test_cpu_scaling_rule() -> None:
+    seed = scaled_for_cpu(LoadProfile())
+    assert (seed.input_len, seed.output_len, seed.concurrency, seed.num_prompts) == (128, 64, 4, 8)
+    small = scaled_for_cpu(LoadProfile(input_len=20, output_len=10, concurrency=2, num_prompts=50))
+    assert (small.input_len, small.output_len, small.concurrency, small.num_prompts) == (
+        16,
+        8,
+        1,
+        2,
+    )
+
+
+@pytest.mark.slow
+def test_stage_serves_the_artifact_gates_and_records(
+    tiny_llama_checkpoint: Path, tmp_path: Path
+) -> None:
+    from qpipe.serve.artifact import write_artifact
+
+    build = tmp_path / "build"
+    write_artifact(tiny_llama_checkpoint, build / "qpipe")
+    recipe = parse_recipe(
+        f"""
+name: tiny-bench
+model: {{source: {tiny_llama_checkpoint}}}
+bench:
+  profiles: [{{input_len: 64, output_len: 64, concurrency: 16, num_prompts: 8}}]
+  min_output_throughput: 1
+  max_ttft_p99_ms: 0.001
+  goodput: {{ttft: 60000}}
+  min_goodput: 0.01
+  server_args: {{device: cpu, max_num_seqs: 4}}
+"""
+    )
+    store = LocalStore(tmp_path / "store")
+    out = tmp_path / "out"
+    out.mkdir()
+    ctx = StageContext(recipe, tmp_path, out, {"build": build}, store)
+    result = BenchStage().run(ctx)
+
+    label = "random:in16:out16:c2:rateinf:n4"  # scaled for CPU
+    assert result.metrics["scaled_for_cpu"] is True
+    assert result.metrics[f"{label}.completed"] == 4
+    assert result.metrics[f"{label}.failed"] == 0
+    assert result.gate is not None and not result.gate.passed
+    assert len(result.gate.failures) == 1 and "p99_ttft_ms" in result.gate.failures[0]
+    assert result.gate.checked[f"{label}.output_throughput"] > 1
+    assert result.gate.checked[f"{label}.request_goodput"] > 0.01
+    (level,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert level["total_output_tokens"] == 4 * 16 and level["max_concurrency"] == 2
+    assert sorted(p.name for p in (out / "plots").iterdir()) == [
+        "throughput_vs_concurrency.png", "tpot_distribution.png", "ttft_distribution.png",
+    ]  # fmt: skip
+    assert "Application startup complete" in (out / "server.log").read_text()
+    (row,) = History(history_path(tmp_path / "store")).runs("tiny-bench")
+    assert row.profile == label and not row.accepted  # a failed gate is no baseline
+    assert row.metrics["output_throughput"] == pytest.approx(level["output_throughput"])

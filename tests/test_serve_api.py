@@ -1,0 +1,541 @@
+"""The built-in server's HTTP layer, over real HTTP against a real uvicorn and the real engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from qpipe.serve.api import ServerSettings, build_app
+from qpipe.serve.async_engine import AsyncLLMEngine
+from qpipe.serve.config import EngineConfig
+from qpipe.serve.detokenizer import IncrementalDetokenizer
+from qpipe.serve.engine import LLMEngine
+from qpipe.serve.metrics import ServerMetrics
+
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MODEL = "tiny"
+
+
+@dataclass
+class RunningServer:
+    url: str
+    engine: LLMEngine
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "the server did not shut down"
+
+    def assert_idle(self, timeout_s: float = 10.0) -> None:
+        """Waits until the engine holds no request and every KV block is free."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            stats = self.engine.stats()
+            if (
+                stats.num_running == stats.num_waiting == 0
+                and stats.num_free_blocks == stats.num_total_blocks
+            ):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"engine not idle: {self.engine.stats()}")
+
+
+def start_server(
+    checkpoint: Path,
+    name: str = MODEL,
+    api_key: str | None = API_KEY,
+    max_queue: int | None = None,
+    keepalive_interval_s: float = 15.0,
+    **engine_kwargs: object,
+) -> RunningServer:
+    engine_kwargs = {"kv_cache_memory_gib": 0.05, "max_model_len": 256, **engine_kwargs}
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), **engine_kwargs))  # type: ignore[arg-type]
+    async_engine = AsyncLLMEngine(engine, ServerMetrics(name), max_queue=max_queue)
+    settings = ServerSettings(
+        served_model_name=name,
+        model_path=str(checkpoint),
+        api_key=api_key,
+        keepalive_interval_s=keepalive_interval_s,
+    )
+    config = uvicorn.Config(
+        build_app(async_engine, settings), host="127.0.0.1", port=0, log_level="warning"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return RunningServer(f"http://127.0.0.1:{port}", engine, server, thread)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_llama_checkpoint: Path) -> Iterator[RunningServer]:
+    running = start_server(tiny_llama_checkpoint, max_num_seqs=64)
+    yield running
+    running.stop()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of /metrics as {"name{label=value,...}": value}."""
+    text = httpx.get(f"{url}/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    key = ",".join(f"{k}={v}" for k, v in sorted({"model_name": MODEL, **labels}.items()))
+    return samples.get(f"{name}{{{key}}}", 0.0)
+
+
+def sse_events(lines: list[str]) -> list[dict]:
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+# ---- detokenizer ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_checkpoint: Path):  # noqa: ANN201 - a transformers tokenizer
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama_checkpoint)
+
+
+def test_detokenizer_never_emits_partial_utf8(tokenizer) -> None:  # noqa: ANN001
+    text = "Grüße 🦙🚀 naïve café — 日本語のテキスト"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"))
+    pieces = [detok.add_tokens([token_id]) for token_id in ids]
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) + detok.flush() == text
+    assert sum(not piece for piece in pieces) > 0, "some tokens end mid-character and are held back"
+
+
+def test_detokenizer_cuts_at_stop_string_and_holds_back_its_prefix(tokenizer) -> None:  # noqa: ANN001
+    ids = tokenizer.encode("one two three four five", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["three f"])
+    pieces = []
+    for token_id in ids:
+        pieces.append(detok.add_tokens([token_id]))
+        if detok.stopped:
+            break
+    assert detok.stopped
+    assert "".join(pieces) + detok.flush() == "one two "
+    assert not any("thr" in piece for piece in pieces), "a stop-string prefix must not be sent"
+
+
+# ---- OpenAI API over HTTP ------------------------------------------------------------------------
+
+
+def test_openai_client_completions_chat_and_streaming(tiny_server: RunningServer) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+    prompt = "The quick brown fox jumps over the lazy dog and"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert full.usage.completion_tokens == 12
+    assert full.usage.prompt_tokens == len(tiny_server.engine.tokenizer.encode(prompt))
+    assert full.choices[0].finish_reason == "length"
+
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == full.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+    messages = [{"role": "user", "content": "Hello there!"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, seed=1
+    )
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.completion_tokens == 10
+    chat_prompt = tiny_server.engine.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True
+    )
+    assert chat.usage.prompt_tokens == len(chat_prompt["input_ids"])
+    chat_stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    deltas = [c.choices[0].delta for c in chat_stream]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == chat.choices[0].message.content
+    tiny_server.assert_idle()
+
+
+def test_sse_headers_and_done(tiny_server: RunningServer) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "stream": True}
+    with httpx.stream(
+        "POST", f"{tiny_server.url}/v1/completions", json=body, headers=AUTH, timeout=30
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["cache-control"] == "no-cache"
+        assert response.headers["x-accel-buffering"] == "no"
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = sse_events(lines)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_string_echo_logprobs_and_batch_prompts(tiny_server: RunningServer) -> None:
+    url = f"{tiny_server.url}/v1/completions"
+    base = {"model": MODEL, "prompt": "Numbers: one two three", "max_tokens": 24, "temperature": 0}
+    full = httpx.post(url, json=base, headers=AUTH, timeout=30).json()
+    text = full["choices"][0]["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), f"greedy text too uniform to pick a stop string: {text!r}"
+    cut = httpx.post(url, json={**base, "stop": [stop]}, headers=AUTH, timeout=30).json()
+    assert cut["choices"][0]["text"] == text[: text.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["usage"]["completion_tokens"] < 24
+
+    echo = httpx.post(url, json={**base, "echo": True}, headers=AUTH, timeout=30).json()
+    assert echo["choices"][0]["text"] == base["prompt"] + text
+
+    lp = httpx.post(url, json={**base, "logprobs": 3}, headers=AUTH, timeout=30).json()
+    logprobs = lp["choices"][0]["logprobs"]
+    assert "".join(logprobs["tokens"]) == text
+    for chosen, top in zip(logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True):
+        assert len(top) == 3 and chosen <= 0
+        assert chosen == pytest.approx(max(top.values())), "greedy picks the most likely token"
+
+    encode = tiny_server.engine.tokenizer.encode
+    batch = {**base, "prompt": [encode(base["prompt"]), encode("Another prompt")]}
+    both = httpx.post(url, json=batch, headers=AUTH, timeout=30).json()
+    assert [c["index"] for c in both["choices"]] == [0, 1]
+    assert both["choices"][0]["text"] == text, "token-id prompt == string prompt"
+    assert both["usage"]["completion_tokens"] == 48
+    tiny_server.assert_idle()
+
+
+def test_tokenize_health_and_models(tiny_server: RunningServer) -> None:
+    tokens = httpx.post(
+        f"{tiny_server.url}/tokenize", json={"prompt": "hello world"}, headers=AUTH
+    ).json()
+    assert tokens["tokens"] == tiny_server.engine.tokenizer.encode("hello world")
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 256
+    assert httpx.get(f"{tiny_server.url}/health").status_code == 200
+    models = httpx.get(f"{tiny_server.url}/v1/models", headers=AUTH).json()
+    assert models["data"][0]["max_model_len"] == 256
+
+
+LONG_PROMPT = "word " * 300
+BAD_INPUTS = [
+    # (name, path, body (dict, or raw str), headers, status, param)
+    ("malformed json", "/v1/completions", '{"prompt": "hi", ', AUTH, 400, None),
+    ("max_tokens wrong type", "/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, AUTH,
+     400, "max_tokens"),
+    ("prompt wrong type", "/v1/completions", {"prompt": {"a": 1}}, AUTH, 400, "prompt"),
+    ("missing prompt", "/v1/completions", {"max_tokens": 4}, AUTH, 400, "prompt"),
+    ("max_tokens zero", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, AUTH, 400,
+     "max_tokens"),
+    ("max_tokens negative", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, AUTH, 400, "max_tokens"),
+    ("prompt too long", "/v1/completions", {"prompt": LONG_PROMPT}, AUTH, 400, "prompt"),
+    ("prompt + max_tokens too long", "/v1/completions", {"prompt": "hi", "max_tokens": 1000},
+     AUTH, 400, "max_tokens"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, AUTH, 400, "model"),
+    ("n > 1", "/v1/completions", {"prompt": "hi", "n": 2}, AUTH, 400, "n"),
+    ("negative temperature", "/v1/completions", {"prompt": "hi", "temperature": -1}, AUTH, 400,
+     None),
+    ("token id out of range", "/v1/completions", {"prompt": [1, 10**9]}, AUTH, 400, "prompt"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, AUTH, 400, "messages"),
+    ("bad role", "/v1/chat/completions", {"messages": [{"role": "x", "content": "hi"}]}, AUTH,
+     400, "messages.0.role"),
+    ("no api key", "/v1/completions", {"prompt": "hi"}, {}, 401, None),
+    ("wrong api key", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+     {"Authorization": "Bearer nope"}, 401, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "status", "param"),
+    [case[1:] for case in BAD_INPUTS],
+    ids=[case[0] for case in BAD_INPUTS],
+)
+def test_bad_inputs_get_openai_errors(
+    tiny_server: RunningServer,
+    path: str,
+    body: dict | str,
+    headers: dict[str, str],
+    status: int,
+    param: str | None,
+) -> None:
+    url = f"{tiny_server.url}{path}"
+    if isinstance(body, str):
+        headers = {**headers, "Content-Type": "application/json"}
+        response = httpx.post(url, content=body, headers=headers)
+    else:
+        response = httpx.post(url, json={"model": MODEL, **body}, headers=headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+async def _stream_client(url: str, index: int, disconnect_after: int | None) -> dict:
+    """One streaming client; returns what it saw. Disconnects after `disconnect_after` events."""
+    body = {
+        "model": MODEL,
+        "prompt": f"Client {index} says hello to the server and then",
+        "max_tokens": 16 + index % 8,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with (
+        httpx.AsyncClient(timeout=120) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as response,
+    ):
+        assert response.status_code == 200
+        events: list[dict] = []
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if disconnect_after is not None and len(events) >= disconnect_after:
+                    return {"disconnected": True, "events": events}
+            elif line == "data: [DONE]":
+                break
+    return {"disconnected": False, "events": events, "max_tokens": body["max_tokens"]}
+
+
+def test_64_concurrent_streams_with_disconnects_free_all_blocks(
+    tiny_server: RunningServer,
+) -> None:
+    before = scrape(tiny_server.url)
+
+    async def run_all() -> list[dict]:
+        clients = [
+            _stream_client(tiny_server.url, i, disconnect_after=3 if i % 4 == 0 else None)
+            for i in range(64)
+        ]
+        return await asyncio.gather(*clients)
+
+    results = asyncio.run(run_all())
+    completed = [r for r in results if not r["disconnected"]]
+    assert len(completed) == 48
+    completion_tokens = 0
+    for result in completed:
+        usage = result["events"][-1]["usage"]
+        assert usage["completion_tokens"] == result["max_tokens"], "ignore_eos runs to max_tokens"
+        assert result["events"][-2]["choices"][0]["finish_reason"] == "length"
+        completion_tokens += usage["completion_tokens"]
+
+    tiny_server.assert_idle()
+    assert httpx.get(f"{tiny_server.url}/health").status_code == 200
+    after = scrape(tiny_server.url)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("qpipe:request_success_total", finished_reason="length") == 48
+    assert delta("qpipe:request_success_total", finished_reason="abort") == 16
+    # the aborted clients stopped early: their 16 requests produced far fewer than their max tokens
+    aborted_tokens = delta("qpipe:generation_tokens_total") - completion_tokens
+    assert 0 < aborted_tokens < 16 * 16
+
+
+def test_non_streaming_client_disconnect_aborts(tiny_server: RunningServer) -> None:
+    before = scrape(tiny_server.url)
+    body = {"model": MODEL, "prompt": "go on", "max_tokens": 240, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{tiny_server.url}/v1/completions", json=body, headers=AUTH, timeout=0.3)
+    tiny_server.assert_idle()
+    after = scrape(tiny_server.url)
+    generated = metric(after, "qpipe:generation_tokens_total") - metric(
+        before, "qpipe:generation_tokens_total"
+    )
+    aborted = metric(after, "qpipe:request_success_total", finished_reason="abort") - metric(
+        before, "qpipe:request_success_total", finished_reason="abort"
+    )
+    assert aborted == 1 and generated < 240
+
+
+def test_metrics_after_traffic(tiny_server: RunningServer) -> None:
+    before = scrape(tiny_server.url)
+    prompt = "A shared system prompt that is long enough to fill a block or two of the cache. " * 2
+    usages = []
+    for i in range(4):
+        body = {"model": MODEL, "prompt": prompt + str(i), "max_tokens": 5 + i, "ignore_eos": True}
+        response = httpx.post(f"{tiny_server.url}/v1/completions", json=body, headers=AUTH)
+        usages.append(response.json()["usage"])
+    tiny_server.assert_idle()
+    after = scrape(tiny_server.url)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("qpipe:generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    assert delta("qpipe:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert delta("qpipe:request_success_total", finished_reason="length") == 4
+    assert delta("qpipe:time_to_first_token_seconds_count") == 4
+    assert delta("qpipe:e2e_request_latency_seconds_count") == 4
+    assert delta("qpipe:inter_token_latency_seconds_count") == sum(
+        u["completion_tokens"] - 1 for u in usages
+    )
+    assert 0 < delta("qpipe:e2e_request_latency_seconds_sum") < 60
+    assert delta("qpipe:prefix_cache_queries_total") >= sum(u["prompt_tokens"] for u in usages)
+    assert delta("qpipe:prefix_cache_hits_total") > 0, "later prompts reuse the shared prefix"
+    assert sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages) > 0
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert metric(after, f"qpipe:{gauge}") == 0
+    assert metric(after, "qpipe:num_preemptions_total") >= 0
+    assert f"qpipe:num_preemptions_total{{model_name={MODEL}}}" in after
+
+
+def test_queue_full_gets_503_with_retry_after(tiny_llama_checkpoint: Path) -> None:
+    running = start_server(tiny_llama_checkpoint, max_queue=1, max_num_seqs=1)
+    try:
+        body = {"model": MODEL, "prompt": "busy", "max_tokens": 64, "ignore_eos": True}
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                posts = [
+                    client.post(f"{running.url}/v1/completions", json=body, headers=AUTH)
+                    for _ in range(6)
+                ]
+                return await asyncio.gather(*posts)
+
+        responses = asyncio.run(burst())
+        statuses = sorted(r.status_code for r in responses)
+        assert 200 in statuses and 503 in statuses, statuses
+        rejected = next(r for r in responses if r.status_code == 503)
+        assert rejected.headers["retry-after"] == "1"
+        assert rejected.json()["error"]["code"] == 503
+        running.assert_idle()
+    finally:
+        running.stop()
+
+
+def test_keepalives_and_graceful_shutdown_drain(tiny_llama_checkpoint: Path) -> None:
+    # NOTE: a 1 ms keep-alive interval is shorter than any engine step, so comments must appear
+    running = start_server(tiny_llama_checkpoint, keepalive_interval_s=0.001)
+    body = {"model": MODEL, "prompt": "drain me", "max_tokens": 64, "ignore_eos": True}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    lines = []
+    with httpx.stream(
+        "POST", f"{running.url}/v1/completions", json=body, headers=AUTH, timeout=60
+    ) as response:
+        for line in response.iter_lines():
+            if line:
+                lines.append(line)
+            if len(sse_events(lines)) == 1:  # the first event is in: ask the server to stop
+                running.server.should_exit = True
+    assert lines[-1] == "data: [DONE]"
+    assert ": keep-alive" in lines
+    assert sse_events(lines)[-1]["usage"]["completion_tokens"] == 64
+    running.thread.join(timeout=30)
+    assert not running.thread.is_alive()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{running.url}/health")
+
+
+def test_serve_command_binds_localhost_and_exits_cleanly(tiny_llama_checkpoint: Path) -> None:
+    """The typer command the CLI wires as `qpipe serve`, as a real process stopped by SIGTERM."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = "import typer; from qpipe.serve.cli import serve; typer.run(serve)"
+    args = [str(tiny_llama_checkpoint), "--port", str(port), "--served-model-name", "cli-tiny"]
+    args += ["--kv-cache-memory", "0.05", "--max-model-len", "128"]
+    env = {**os.environ, "QPIPE_API_KEY": API_KEY}
+    proc = subprocess.Popen([sys.executable, "-c", command, *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "qpipe serve did not come up"
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        models = httpx.get(f"{url}/v1/models", headers=AUTH).json()
+        assert models["data"][0]["id"] == "cli-tiny"
+        assert models["data"][0]["max_model_len"] == 128
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=30)[0]
+    # NOTE: uvicorn re-raises the signal it caught once its graceful shutdown is done
+    assert proc.returncode in (0, -signal.SIGTERM), output
+    assert "Application shutdown complete" in output
+    assert "KV cache" in output, "the KV-cache size is logged"
+
+
+# ---- the real model ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_openai_client_end_to_end(smollm2_checkpoint: Path) -> None:
+    """The official client against SmolLM2: greedy text equals transformers' greedy text."""
+    import torch
+    from openai import OpenAI
+    from transformers import AutoModelForCausalLM
+
+    running = start_server(smollm2_checkpoint, name="smollm2", api_key=None, max_model_len=1024)
+    try:
+        client = OpenAI(base_url=f"{running.url}/v1", api_key="unused")
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        chat = client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=20, temperature=0
+        )
+        answer = chat.choices[0].message.content
+        assert "Paris" in answer
+
+        stream = client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=20, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream) == answer
+
+        tokenizer = running.engine.tokenizer
+        prompt_ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt"
+        )["input_ids"]
+        model = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint, dtype=torch.float32)
+        with torch.inference_mode():
+            out = model.generate(prompt_ids, max_new_tokens=20, do_sample=False)
+        expected = tokenizer.decode(out[0, prompt_ids.shape[1] :], skip_special_tokens=True)
+        assert answer == expected
+        running.assert_idle()
+    finally:
+        running.stop()
