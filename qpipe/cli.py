@@ -1,4 +1,4 @@
-"""The `qpipe` command line."""
+"""qpipe: from checkpoint to a quantized, built, evaluated, benchmarked and published artifact."""
 
 from __future__ import annotations
 
@@ -19,6 +19,22 @@ recipe_app = typer.Typer(no_args_is_help=True, help="Validate recipes and print 
 cache_app = typer.Typer(no_args_is_help=True, help="Inspect and maintain the artifact store.")
 app.add_typer(recipe_app, name="recipe")
 app.add_typer(cache_app, name="cache")
+
+
+def _register_area_commands() -> None:
+    """Each area keeps its own CLI module; they import only typer/rich at module level."""
+    from qpipe.bench.cli import bench_app
+    from qpipe.evaluate.cli import eval_command
+    from qpipe.quant.cli import sensitivity
+    from qpipe.registry.cli import registry_app
+    from qpipe.serve.cli import serve
+
+    app.command("serve")(serve)
+    app.command("eval")(eval_command)
+    app.command("sensitivity")(sensitivity)
+    app.add_typer(bench_app, name="bench")
+    app.add_typer(registry_app, name="registry")
+
 
 # NOTE: CI logs are not terminals; rich would wrap tables at 80 columns and split the paths.
 _WIDTH = None if sys.stdout.isatty() else 200
@@ -46,17 +62,21 @@ def _load(path: Path) -> Recipe:
         raise typer.Exit(2) from exc
 
 
-def _open_store(location: str | None, recipe: Recipe | None = None) -> Any:
+def _open_store(
+    location: str | None, recipe: Recipe | None = None, recipe_dir: Path | None = None
+) -> Any:
     from qpipe.store.base import StoreError
     from qpipe.store.factory import open_store
 
     config = recipe.store if recipe is not None else None
     try:
-        return open_store(
-            location or (config.location if config else None),
-            endpoint_url=config.endpoint_url if config else None,
-            local_cache=config.local_cache if config else None,
-        )
+        if location is not None or config is None:  # --store replaces the recipe's store
+            endpoint = config.endpoint_url if config and (location or "").startswith("s3://") else None
+            return open_store(location, endpoint_url=endpoint)
+        local_cache = config.local_cache
+        if local_cache is not None and recipe_dir is not None:
+            local_cache = str(recipe_dir / Path(local_cache).expanduser())
+        return open_store(config.location, config.endpoint_url, local_cache)
     except StoreError as exc:
         raise _fail(str(exc)) from exc
 
@@ -67,7 +87,7 @@ def _pipeline(recipe_path: Path, store: str | None, recipe: Recipe | None = None
     from qpipe.store.local import default_home
 
     recipe = recipe or _load(recipe_path)
-    opened = _open_store(store, recipe)
+    opened = _open_store(store, recipe, recipe_path.resolve().parent)
     cache_root = opened.local_root or default_home()
     return Pipeline(
         recipe, recipe_path.resolve().parent, opened, HashCache(cache_root / "hashes.db")
@@ -129,12 +149,13 @@ def plan(
 ) -> None:
     """Show each stage's key, whether it is cached, and where its output is: runs nothing."""
     from qpipe.stages.base import StageError
+    from qpipe.store.base import StoreError
 
     pipeline = _pipeline(recipe, store)
     _check_stage_name(until)
     try:
         planned = pipeline.plan(until)
-    except StageError as exc:
+    except (StageError, StoreError) as exc:
         raise _fail(str(exc)) from exc
     if as_json:
         out.print_json(
@@ -173,6 +194,7 @@ def run(
     """
     from qpipe.pipeline import gate_failures, manifest
     from qpipe.stages.base import StageError
+    from qpipe.store.base import StoreError
 
     loaded = _load(recipe)
     if allow_failed_gates and loaded.publish is not None:
@@ -185,7 +207,7 @@ def run(
         _check_stage_name(name)
     try:
         planned = pipeline.run(until=until, force=tuple(force or ()), on_event=_stage_event)
-    except StageError as exc:
+    except (StageError, StoreError) as exc:
         raise _fail(str(exc)) from exc
     record = manifest(loaded, recipe, planned, pipeline.store)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
@@ -331,6 +353,42 @@ def cache_gc(
     for item in removed:
         console.print(f"removed {item}")
     out.print(f"{len(removed)} removed")
+
+
+@cache_app.command("push")
+def cache_push(
+    refs: Annotated[list[str] | None, typer.Argument(help="Keys, key prefixes or aliases.")] = None,
+    to: Annotated[str, typer.Option("--to", help="Target store (s3://bucket/prefix or dir).")] = "",
+    store: StoreOption = None,
+) -> None:
+    """Copy entries (default: all) and their aliases from the store to another, verified."""
+    _transfer(_open_store(store), _open_store(to or None), refs or [])
+
+
+@cache_app.command("pull")
+def cache_pull(
+    refs: Annotated[list[str] | None, typer.Argument(help="Keys, key prefixes or aliases.")] = None,
+    source: Annotated[str, typer.Option("--from", help="Store to copy from.")] = "",
+    store: StoreOption = None,
+) -> None:
+    """Copy entries (default: all) and their aliases from another store into this one, verified."""
+    _transfer(_open_store(source or None), _open_store(store), refs or [])
+
+
+def _transfer(source: Any, target: Any, refs: list[str]) -> None:
+    from qpipe.store.base import StoreError
+    from qpipe.store.transfer import copy_entries
+
+    if source.location == target.location:
+        raise _fail("source and target are the same store; name the other one with --to/--from")
+    try:
+        report = copy_entries(source, target, refs)
+    except StoreError as exc:
+        raise _fail(str(exc)) from exc
+    out.print(f"{source.location} → {target.location}: {report.summary()}")
+
+
+_register_area_commands()
 
 
 def main() -> None:

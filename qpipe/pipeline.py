@@ -145,6 +145,9 @@ class Pipeline:
             return PlannedStage(name, "miss", key=key, key_inputs=key_inputs)
         planned = PlannedStage(name, "hit", key=key, key_inputs=key_inputs,
                                metrics=meta.metrics, gate=meta.gate)  # fmt: skip
+        if self.store.local_copy(key) is None:
+            planned.reason = "in the remote store; downloaded when a stage reads it"
+            return planned
         try:
             planned.path = str(self.store.open(key, verify=False))
         except CorruptEntry as exc:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.s3_server"]
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 TEST_CACHE = Path(os.environ.get("QPIPE_TEST_CACHE", REPO / ".cache" / "test"))

@@ -30,7 +30,7 @@ model: {{source: ./model, name: smollm2}}
 calibration: {{dataset: data.jsonl}}
 quantization: {{method: int8-sq}}
 build: {{targets: [trtllm-checkpoint, compressed-tensors], arch: sm90}}
-evaluate: {{max_drop: {{kld: 0.05}}}}
+evaluate: {{max_drop: {{kld_mean: 0.05}}}}
 bench: {{}}
 publish: {publish}
 """
@@ -229,6 +229,15 @@ def test_registry_cli_on_s3_pulls_exactly_one_verified_artifact(
     )
     assert wrong.exit_code == 1 and "has no trtllm-engine artifact" in wrong.output
     assert "trtllm-checkpoint (sm90)" in wrong.output
+
+    mirror = f"s3://{bucket}/mirror"
+    for _ in range(2):  # a second push finds everything there
+        pushed = runner.invoke(
+            registry_app, ["push", "smollm2-int8", "--to", mirror, "--store", registry_url]
+        )
+        assert pushed.exit_code == 0, pushed.output
+    assert "already there: smollm2-int8@1" in pushed.output
+    assert Registry(open_store(mirror)).read("smollm2-int8").store == mirror
 
     marker = json.loads(s3_env.client().get_object(
         Bucket=bucket, Key=f"registry/entries/{keys['build']}.json")["Body"].read())  # fmt: skip

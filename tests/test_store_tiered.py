@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
+from qpipe.hashing import HashCache
+from qpipe.pipeline import Pipeline
+from qpipe.recipe import parse_recipe
+from qpipe.stages.base import Stage, StageContext, StageResult
 from qpipe.store.base import Store, StoreError
 from qpipe.store.entry import EntryMeta
 from qpipe.store.factory import open_store
@@ -54,8 +60,8 @@ def test_second_machine_gets_a_hit_through_s3_and_downloads(
     assert second.remote.lookup(KEY) is None  # later opens on this machine need no S3 at all
     assert (second.open(KEY) / "model.safetensors").read_bytes() == payload
 
-    with pytest.raises(StoreError, match="only for an s3:// location"):
-        open_store(str(tmp_path / "dir"), local_cache=str(tmp_path / "cache"))
+    local = open_store(str(tmp_path / "dir"), local_cache=str(tmp_path / "unused"))
+    assert isinstance(local, LocalStore)  # `--store DIR` overrides a recipe's S3 store
 
 
 def test_corrupt_local_copy_is_replaced_from_s3(s3_env: S3Server, tmp_path: Path) -> None:
@@ -92,3 +98,59 @@ def test_push_and_pull_copy_entries_and_aliases_verified(s3_env: S3Server, tmp_p
         copy_entries(laptop, LocalStore(tmp_path / "third"), [KEY])
     with pytest.raises(StoreError, match="is no key, key prefix or alias"):
         copy_entries(laptop, server, ["no-such-thing"])
+
+
+class CountingStage(Stage):
+    """A stand-in stage: writes its name after its inputs' text, counts its runs."""
+
+    def __init__(self, name: str, needs: tuple[str, ...], runs: Counter[str]):
+        self.name = name  # type: ignore[misc]
+        self.needs = needs  # type: ignore[misc]
+        self.runs = runs
+
+    def run(self, ctx: StageContext) -> StageResult:
+        self.runs[self.name] += 1
+        text = "".join((p / "out.txt").read_text() for p in ctx.inputs.values()) + self.name
+        (ctx.out_dir / "out.txt").write_text(text)
+        return StageResult(metrics={"chars": len(text)})
+
+
+def test_pipeline_on_two_runners_shares_stages_and_rebuilds_a_corrupt_one(
+    s3_env: S3Server, tmp_path: Path
+) -> None:
+    recipe = parse_recipe("name: ci\nmodel: {source: gguf:m.gguf}\nquantization: {method: none}")
+    needs = {"convert": (), "calibrate": ("convert",), "quantize": ("convert",),
+             "build": ("quantize",)}  # fmt: skip
+    location = f"s3://{s3_env.bucket()}/ci"
+
+    def runner(name: str) -> tuple[Pipeline, Counter[str]]:
+        runs: Counter[str] = Counter()
+        stages = {n: CountingStage(n, deps, runs) for n, deps in needs.items()}
+        store = open_store(location, local_cache=str(tmp_path / name))
+        hashes = HashCache(tmp_path / name / "hashes.db")
+        return Pipeline(recipe, tmp_path, store, hashes, stages.get), runs
+
+    first, first_runs = runner("runner-1")
+    first.run(until="build")
+    assert first_runs == Counter(convert=1, quantize=1, build=1)
+
+    second, second_runs = runner("runner-2")
+    planned = {p.name: p for p in second.run(until="build")}
+    assert not second_runs  # every stage was a hit through S3
+    assert planned["build"].status == "hit"
+    assert planned["build"].path is None  # a plan/run of hits downloads nothing
+    assert "remote store" in planned["build"].reason
+    build_dir = second.store.open(planned["build"].key)  # a consumer pulls it on demand
+    assert (build_dir / "out.txt").read_text() == "convertquantizebuild"
+
+    marker = json.loads(second.store.remote._get(f"ci/entries/{planned['quantize'].key}.json"))
+    s3_env.client().put_object(
+        Bucket=second.store.remote.bucket,
+        Key=f"ci/blobs/{marker['key']}/{marker['upload']}/out.txt",
+        Body=b"convertquantizX",
+    )
+    third, third_runs = runner("runner-3")
+    replanned = {p.name: p for p in third.run(until="build", force=("build",))}
+    assert third_runs == Counter(quantize=1, build=1)  # corrupt quantize detected and rebuilt
+    assert replanned["quantize"].status == "ran"
+    assert (Path(replanned["build"].path) / "out.txt").read_text() == "convertquantizebuild"

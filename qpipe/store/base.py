@@ -29,6 +29,10 @@ class Store(ABC):
         """The committed entry's marker, or None. Cheap: no checksums."""
 
     @abstractmethod
+    def local_copy(self, key: str) -> Path | None:
+        """Where the committed entry already is on this machine (no download), or None."""
+
+    @abstractmethod
     def open(self, key: str, verify: bool = True) -> Path:
         """A local directory holding the entry's files, checksums verified; CorruptEntry if not."""
 
@@ -75,7 +79,7 @@ class Store(ABC):
 
     @abstractmethod
     def gc(self, keep: set[str] | None = None) -> list[str]:
-        """Remove abandoned temp dirs and quarantined entries (and entries not in `keep`, if given)."""
+        """Remove abandoned temp dirs and quarantined entries (and, given `keep`, all others)."""
 
     @abstractmethod
     def set_alias(self, alias: str, key: str, info: dict[str, Any]) -> None: ...

@@ -1,8 +1,8 @@
 """The local directory store (default): `$QPIPE_HOME` or `~/.cache/qpipe`.
 
-Layout: objects/<kk>/<key>/ (files + meta.json), tmp/ (entries being built), corrupt/ (quarantined),
-aliases/<alias>.json, docs/<name> (manifests, registry). A commit is one rename(2) of a finished temp
-directory that already holds its marker, so readers see all of an entry or none of it.
+Layout: objects/<kk>/<key>/ (files + meta.json), tmp/ (entries being built), corrupt/
+(quarantined), aliases/<alias>.json, docs/<name> (manifests, registry). A commit is one rename(2) of
+a finished temp directory that already holds its marker, so readers see all of an entry or none.
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ class LocalStore(Store):
             return EntryMeta.model_validate_json(marker.read_bytes())
         except (OSError, ValidationError, ValueError):
             return None
+
+    def local_copy(self, key: str) -> Path | None:
+        return self._entry_dir(key) if self.lookup(key) is not None else None
 
     def open(self, key: str, verify: bool = True) -> Path:
         meta = self.lookup(key)

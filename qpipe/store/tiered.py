@@ -1,0 +1,130 @@
+"""Two tiers: a local store in front of an S3 store (`store.local_cache` with an s3:// location).
+
+Lookups try the local tier first (no network for what this machine has), a remote hit is downloaded
+once into the local tier, and every commit lands locally and is pushed to S3, so a CI job with a
+hit downloads instead of rebuilding and a job with a miss shares what it built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from qpipe.store.base import Store, StoreError
+from qpipe.store.entry import CorruptEntry, EntryMeta
+from qpipe.store.local import LocalStore
+from qpipe.store.s3 import S3Store
+
+
+class TieredStore(Store):
+    def __init__(self, remote: S3Store):
+        self.remote = remote
+        self.local: LocalStore = remote.cache  # the remote's download cache is the local tier
+        self.location = remote.location
+
+    @property
+    def local_root(self) -> Path:
+        return self.local.root
+
+    def lookup(self, key: str) -> EntryMeta | None:
+        return self.local.lookup(key) or self.remote.lookup(key)
+
+    def local_copy(self, key: str) -> Path | None:
+        return self.local.local_copy(key)
+
+    def open(self, key: str, verify: bool = True) -> Path:
+        if self.local.lookup(key) is not None:
+            try:
+                return self.local.open(key, verify)
+            except CorruptEntry as exc:
+                if self.remote.lookup(key) is None:
+                    raise
+                self.local.quarantine(key, f"local tier: {exc.problem}")
+        return self.remote.open(key, verify)
+
+    def fetch(self, key: str, dest: Path, prefix: str = "") -> EntryMeta:
+        if self.local.lookup(key) is not None:
+            return self.local.fetch(key, dest, prefix)
+        return self.remote.fetch(key, dest, prefix)
+
+    @contextmanager
+    def writer(self, key: str, stage: str) -> Iterator[Path]:
+        with self.local.writer(key, stage) as tmp:
+            yield tmp
+
+    def commit(
+        self,
+        key: str,
+        stage: str,
+        built: Path,
+        metrics: dict[str, Any],
+        gate: dict[str, Any] | None,
+        key_inputs: dict[str, Any],
+    ) -> EntryMeta:
+        meta = self.local.commit(key, stage, built, metrics, gate, key_inputs)
+        try:
+            published = self.remote.import_entry(meta, self.local.open(key, verify=False))
+        except StoreError as exc:
+            raise StoreError(
+                f"{stage} {key[:12]} is cached locally in {self.local.location} but was not "
+                f"shared: {exc}. Share it later with `qpipe cache push {key[:12]} --to "
+                f"{self.remote.location}`"
+            ) from exc
+        if published.files != meta.files:
+            # another machine committed first: use its bytes, as every other machine will
+            self.local.remove(key)
+            self.remote.open(key)
+            return published
+        return meta
+
+    def import_entry(self, meta: EntryMeta, files: Path) -> EntryMeta:
+        local = self.local.import_entry(meta, files)
+        self.remote.import_entry(local, self.local.open(meta.key, verify=False))
+        return local
+
+    def quarantine(self, key: str, reason: str) -> None:
+        self.local.quarantine(key, reason)
+        self.remote.quarantine(key, reason)
+
+    def entries(self) -> Iterator[EntryMeta]:
+        seen = set()
+        for meta in self.local.entries():
+            seen.add(meta.key)
+            yield meta
+        for meta in self.remote.entries():
+            if meta.key not in seen:
+                yield meta
+
+    def remove(self, key: str) -> None:
+        self.remote.remove(key)
+        self.local.remove(key)
+
+    def gc(self, keep: set[str] | None = None) -> list[str]:
+        """Prunes the local tier by `keep`; in the shared bucket only garbage (other machines'
+        entries are not this run's to judge — prune the bucket with `--store s3://...` itself)."""
+        return self.local.gc(keep) + self.remote.gc_remote(None)
+
+    def set_alias(self, alias: str, key: str, info: dict[str, Any]) -> None:
+        self.local.set_alias(alias, key, info)
+        self.remote.set_alias(alias, key, info)
+
+    def resolve_alias(self, alias: str) -> dict[str, Any] | None:
+        return self.remote.resolve_alias(alias) or self.local.resolve_alias(alias)
+
+    def aliases(self) -> dict[str, dict[str, Any]]:
+        return {**self.local.aliases(), **self.remote.aliases()}
+
+    def write_document(self, name: str, data: bytes) -> None:
+        self.local.write_document(name, data)
+        self.remote.write_document(name, data)
+
+    def read_document(self, name: str) -> bytes | None:
+        remote = self.remote.read_document(name)
+        return remote if remote is not None else self.local.read_document(name)
+
+    def list_documents(self, prefix: str) -> list[str]:
+        return sorted(
+            set(self.local.list_documents(prefix)) | set(self.remote.list_documents(prefix))
+        )
