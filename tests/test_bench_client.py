@@ -94,6 +94,9 @@ class ScriptedServer:
             return web.json_response({"error": {"message": "engine overloaded"}}, status=500)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if mode == "garbage":
+            await response.write(b"data: {oops\n\n")
+            return response
         if mode == "keepalive":
             while True:
                 await response.write(b": keep-alive\n\n")
@@ -187,6 +190,8 @@ def test_errors_and_dropped_streams_are_counted_with_reasons(server: ScriptedSer
     }
     assert any("engine overloaded" in e for e in m.errors)
     assert m.total_output_tokens == 2 * 16  # failed requests add no tokens
+    garbage = asyncio.run(run_load(Target(server.url("garbage"), "m"), _prompts(2), 2))
+    assert compute_metrics(garbage).failed_reasons == {"malformed event": 2}
 
 
 def test_stalled_and_trickling_servers_fail_in_bounded_time(server: ScriptedServer) -> None:

@@ -6,18 +6,80 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from qpipe.bench.client import Target
 from qpipe.bench.config import LoadProfile
 from qpipe.bench.dataset import load_tokenizer
 from qpipe.bench.history import History, history_path
-from qpipe.bench.runner import BenchOptions, run_benchmark
+from qpipe.bench.runner import WARMUP_OUTPUT_LEN, BenchOptions, run_benchmark
 from qpipe.bench.server_process import BuiltinServer
 from qpipe.recipe import parse_recipe
-from qpipe.stages.base import StageContext
+from qpipe.stages.base import StageContext, StageError
 from qpipe.stages.bench import BenchStage, scaled_for_cpu
 from qpipe.store.local import LocalStore
+
+
+def test_cpu_scaling_rule() -> None:
+    seed = scaled_for_cpu(LoadProfile())
+    assert (seed.input_len, seed.output_len, seed.concurrency, seed.num_prompts) == (128, 64, 8, 16)
+    small = LoadProfile(input_len=20, output_len=10, concurrency=2, num_prompts=50, request_rate=4)
+    assert scaled_for_cpu(small) == small.model_copy(update={"num_prompts": 4})
+
+
+def test_goodput_gate_without_slos_is_a_recipe_error(tmp_path: Path) -> None:
+    recipe = parse_recipe("name: x\nmodel: {source: /m}\nbench: {min_goodput: 1.0}")
+    ctx = StageContext(recipe, tmp_path, tmp_path, {"build": tmp_path}, LocalStore(tmp_path / "s"))
+    with pytest.raises(StageError, match="set bench.goodput"):
+        BenchStage().run(ctx)
+
+
+@pytest.mark.slow
+def test_stage_serves_the_artifact_gates_and_records(
+    tiny_llama_checkpoint: Path, tmp_path: Path
+) -> None:
+    from qpipe.serve.artifact import write_artifact
+
+    build = tmp_path / "build"
+    write_artifact(tiny_llama_checkpoint, build / "qpipe")
+    (build / "build.json").write_text(json.dumps({"alias": "tiny-cpu-fp32-tp1"}))
+    recipe = parse_recipe(
+        f"""
+name: tiny-bench
+model: {{source: {tiny_llama_checkpoint}}}
+bench:
+  profiles: [{{input_len: 256, output_len: 32, concurrency: 16, num_prompts: 8}}]
+  min_output_throughput: 1
+  max_ttft_p99_ms: 0.001
+  goodput: {{ttft: 60000}}
+  min_goodput: 0.01
+  server_args: {{device: cpu, max_num_seqs: 4}}
+"""
+    )
+    store = LocalStore(tmp_path / "store")
+    out = tmp_path / "out"
+    out.mkdir()
+    ctx = StageContext(recipe, tmp_path, out, {"build": build}, store)
+    result = BenchStage().run(ctx)
+
+    label = "random:in128:out32:c8:rateinf:n8"  # scaled for CPU
+    assert result.metrics["scaled_for_cpu"] is True
+    assert result.metrics[f"{label}.completed"] == 8
+    assert result.metrics[f"{label}.failed"] == 0
+    assert result.gate is not None and not result.gate.passed
+    assert len(result.gate.failures) == 1 and "p99_ttft_ms" in result.gate.failures[0]
+    assert result.gate.checked[f"{label}.output_throughput"] > 1
+    assert result.gate.checked[f"{label}.request_goodput"] > 0.01
+    (level,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert level["total_output_tokens"] == 8 * 32 and level["max_concurrency"] == 8
+    assert sorted(p.name for p in (out / "plots").iterdir()) == [
+        "throughput_vs_concurrency.png", "tpot_distribution.png", "ttft_distribution.png",
+    ]  # fmt: skip
+    assert "Application startup complete" in (out / "server.log").read_text()
+    (row,) = History(history_path(tmp_path / "store")).runs("tiny-cpu-fp32-tp1")
+    assert row.profile == label and not row.accepted  # a failed gate is no baseline
+    assert row.metrics["output_throughput"] == pytest.approx(level["output_throughput"])
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +99,7 @@ def test_client_against_the_builtin_server(
     tokenizer = load_tokenizer(tiny_llama_checkpoint)
     profile = LoadProfile(input_len=48, output_len=24, concurrency=4, num_prompts=8)
     target = Target(tiny_server.base_url, "tiny", chat=chat)
+    generated_before = _generated_tokens(tiny_server)
     (level,) = run_benchmark(target, [profile], BenchOptions(), tokenizer, show_progress=False)
     s = level.metrics.summary()
     assert (s["completed"], s["failed"]) == (8, 0), level.metrics.errors
@@ -48,69 +111,34 @@ def test_client_against_the_builtin_server(
     assert s["total_token_throughput"] > s["output_throughput"]
     assert 0 < s["median_ttft_ms"] <= s["p99_ttft_ms"] <= s["p99_e2el_ms"]
     assert 0 < s["mean_tpot_ms"] < s["mean_e2el_ms"]
-    metrics = tiny_server_metrics(tiny_server)
-    assert "qpipe:time_to_first_token_seconds_count" in metrics
+    # the server's own count agrees: the levels' tokens plus the untimed warm-up request
+    assert _generated_tokens(tiny_server) - generated_before == 8 * 24 + WARMUP_OUTPUT_LEN
 
 
-def tiny_server_metrics(server: BuiltinServer) -> str:
-    import httpx
+def _generated_tokens(server: BuiltinServer) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
 
-    return httpx.get(f"{server.base_url}/metrics", timeout=10).text
-
-
-def test_cpu_scaling_rule() -> None:
-    seed = scaled_for_cpu(LoadProfile())
-    assert (seed.input_len, seed.output_len, seed.concurrency, seed.num_prompts) == (128, 64, 4, 8)
-    small = scaled_for_cpu(LoadProfile(input_len=20, output_len=10, concurrency=2, num_prompts=50))
-    assert (small.input_len, small.output_len, small.concurrency, small.num_prompts) == (
-        16,
-        8,
-        1,
-        2,
-    )
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    (family,) = [
+        f for f in text_string_to_metric_families(text) if f.name == "qpipe:generation_tokens"
+    ]
+    return sum(s.value for s in family.samples if s.name.endswith("_total"))
 
 
-@pytest.mark.slow
-def test_stage_serves_the_artifact_gates_and_records(
-    tiny_llama_checkpoint: Path, tmp_path: Path
+def test_cli_takes_the_tokenizer_from_a_local_server(
+    tiny_server: BuiltinServer, tmp_path: Path
 ) -> None:
-    from qpipe.serve.artifact import write_artifact
+    from typer.testing import CliRunner
 
-    build = tmp_path / "build"
-    write_artifact(tiny_llama_checkpoint, build / "qpipe")
-    recipe = parse_recipe(
-        f"""
-name: tiny-bench
-model: {{source: {tiny_llama_checkpoint}}}
-bench:
-  profiles: [{{input_len: 64, output_len: 64, concurrency: 16, num_prompts: 8}}]
-  min_output_throughput: 1
-  max_ttft_p99_ms: 0.001
-  goodput: {{ttft: 60000}}
-  min_goodput: 0.01
-  server_args: {{device: cpu, max_num_seqs: 4}}
-"""
-    )
-    store = LocalStore(tmp_path / "store")
-    out = tmp_path / "out"
-    out.mkdir()
-    ctx = StageContext(recipe, tmp_path, out, {"build": build}, store)
-    result = BenchStage().run(ctx)
+    from qpipe.bench.cli import bench_app
 
-    label = "random:in16:out16:c2:rateinf:n4"  # scaled for CPU
-    assert result.metrics["scaled_for_cpu"] is True
-    assert result.metrics[f"{label}.completed"] == 4
-    assert result.metrics[f"{label}.failed"] == 0
-    assert result.gate is not None and not result.gate.passed
-    assert len(result.gate.failures) == 1 and "p99_ttft_ms" in result.gate.failures[0]
-    assert result.gate.checked[f"{label}.output_throughput"] > 1
-    assert result.gate.checked[f"{label}.request_goodput"] > 0.01
-    (level,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert level["total_output_tokens"] == 4 * 16 and level["max_concurrency"] == 2
-    assert sorted(p.name for p in (out / "plots").iterdir()) == [
-        "throughput_vs_concurrency.png", "tpot_distribution.png", "ttft_distribution.png",
+    args = [
+        "--endpoint", tiny_server.base_url, "--concurrency", "2", "--input-len", "32",
+        "--output-len", "8", "--num-prompts", "2", "--no-record", "--result-file",
+        str(tmp_path / "r.json"),
     ]  # fmt: skip
-    assert "Application startup complete" in (out / "server.log").read_text()
-    (row,) = History(history_path(tmp_path / "store")).runs("tiny-bench")
-    assert row.profile == label and not row.accepted  # a failed gate is no baseline
-    assert row.metrics["output_throughput"] == pytest.approx(level["output_throughput"])
+    result = CliRunner().invoke(bench_app, args)  # random prompts need the tokenizer
+    assert result.exit_code == 0, result.output
+    level = json.loads((tmp_path / "r.json").read_text())
+    assert level["model_id"] == "tiny" and level["input_lens"] == [32, 32]
+    assert level["output_lens"] == [8, 8] and level["completed"] == 2

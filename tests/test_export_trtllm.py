@@ -52,12 +52,17 @@ def _schemes() -> dict[str, object]:
             A(num_bits=4, type="int", strategy="group", group_size=64, symmetric=True)
         ),
         "w8-channel": scheme(int8_w),
+        "fp8-kv": scheme(  # plus an fp8 KV cache (kv_cache_scheme below)
+            A(num_bits=8, type="float", strategy="tensor", symmetric=True),
+            A(num_bits=8, type="float", strategy="tensor", dynamic=False),
+        ),
     }
 
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory: pytest.TempPathFactory, smollm2_checkpoint: Path) -> dict:
     """{scheme: (checkpoint dir, {hf linear name: reference dequantized weight})}."""
+    from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from datasets import Dataset
     from llmcompressor import oneshot
@@ -78,9 +83,14 @@ def quantized(tmp_path_factory: pytest.TempPathFactory, smollm2_checkpoint: Path
     for name, scheme in _schemes().items():
         model = LlamaForCausalLM.from_pretrained(root / "none", dtype=torch.float32)
         static = scheme.input_activations is not None and not scheme.input_activations.dynamic
+        kv = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False)
+        modifier = QuantizationModifier(
+            config_groups={"g": scheme},
+            ignore=["lm_head"],
+            kv_cache_scheme=kv if name == "fp8-kv" else None,
+        )
         oneshot(
-            model=model, tokenizer=tokenizer, shuffle_calibration_samples=False,
-            recipe=QuantizationModifier(config_groups={"g": scheme}, ignore=["lm_head"]),
+            model=model, tokenizer=tokenizer, shuffle_calibration_samples=False, recipe=modifier,
             dataset=data if static else None, num_calibration_samples=4 if static else 0,
         )  # fmt: skip
         reference = {}
@@ -99,14 +109,19 @@ LINEAR_SUFFIXES = {
     None: {"weight"},
     "W8A16": {"weight"},
     "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": {"weight", "per_channel_scale"},
-    "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN": {"weight", "per_channel_scale", "act_scale"},
+    "W8A8_SQ_PER_CHANNEL": {
+        "weight",
+        "weights_scaling_factor",
+        "activation_scaling_factor",
+        "prequant_scaling_factor",
+    },
     "FP8": {"weight", "weights_scaling_factor", "activation_scaling_factor"},
     "W4A16_AWQ": {"weight", "weights_scaling_factor", "prequant_scaling_factor"},
 }
 EXPECTED_ALGO = {
     "none": None,
     "int8-dynamic": "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
-    "int8-static": "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN",
+    "int8-static": "W8A8_SQ_PER_CHANNEL",
     "fp8-static": "FP8",
     "w4-group-asym": "W4A16_AWQ",
     "w4-group-sym": "W4A16_AWQ",
@@ -116,7 +131,7 @@ WEIGHT_DTYPE = {
     None: torch.float32, "W8A16": torch.float32, "FP8": torch.float8_e4m3fn,
     "W4A16_AWQ": torch.int8,
     "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": torch.int8,
-    "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN": torch.int8,
+    "W8A8_SQ_PER_CHANNEL": torch.int8,
 }  # fmt: skip
 
 
@@ -126,13 +141,10 @@ def _expected_names(algo: str | None, zero: bool, layer: int) -> set[str]:
     suffixes = LINEAR_SUFFIXES[algo] | ({"zero"} if zero else set())
     for linear in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj"):
         names |= {f"{p}.{linear}.{s}" for s in suffixes}
-    if algo and algo.startswith("W8A8_SQ"):
+    if algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN":
         names |= {f"{p}.attention.dense.smoother", f"{p}.mlp.proj.smoother",
                   f"{p}.input_layernorm.scale_to_int",
                   f"{p}.post_layernorm.scale_to_int"}  # fmt: skip
-        if algo.endswith("PER_TENSOR_PLUGIN"):
-            names |= {f"{p}.attention.quantization_scaling_factor",
-                      f"{p}.mlp.quantization_scaling_factor"}  # fmt: skip
     return names
 
 
@@ -141,8 +153,10 @@ def _dequantize(tensors: dict[str, torch.Tensor], prefix: str, algo: str | None)
     weight = tensors[f"{prefix}.weight"]
     if algo in (None, "W8A16"):
         return weight.float()
-    if algo.startswith("W8A8_SQ"):
+    if algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN":
         return weight.float() * tensors[f"{prefix}.per_channel_scale"].reshape(-1, 1)
+    if algo == "W8A8_SQ_PER_CHANNEL":
+        return weight.float() * tensors[f"{prefix}.weights_scaling_factor"].reshape(-1, 1)
     if algo == "FP8":
         return weight.float() * tensors[f"{prefix}.weights_scaling_factor"]
     raw = weight.view(torch.uint8).to(torch.int16)
@@ -240,24 +254,45 @@ def test_checkpoint_format_and_dequantized_weights(
                 torch.testing.assert_close(weight, ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_smoothquant_static_scales_follow_input_scales(quantized: dict, tmp_path: Path) -> None:
-    """Per-tensor SmoothQuant: act_scale * per_channel_scale = input scale * weight scale, and
-    the layer norms quantize with 1 / input scale."""
+def test_static_int8_scales_are_the_input_scales(quantized: dict, tmp_path: Path) -> None:
+    """W8A8_SQ_PER_CHANNEL: activation_scaling_factor is the static input scale (one for the fused
+    qkv, which shares its input), prequant_scaling_factor is 1 (smoothing is in the weights)."""
     from safetensors import safe_open
 
     src, _ = quantized["int8-static"]
-    write_trtllm_checkpoint(src, tmp_path / "ckpt")
-    out = load_file(tmp_path / "ckpt" / "rank0.safetensors")
+    write_trtllm_checkpoint(src, tmp_path / "ckpt", tp=2)
+    for rank in (0, 1):
+        out = load_file(tmp_path / "ckpt" / f"rank{rank}.safetensors")
+        with safe_open(str(src / "model.safetensors"), "pt") as f:
+            qkv_in = max(f.get_tensor(f"model.layers.0.self_attn.{n}_proj.input_scale").float()
+                         for n in "qkv")  # fmt: skip
+            down_in = f.get_tensor("model.layers.0.mlp.down_proj.input_scale").float()
+        p = "transformer.layers.0"
+        torch.testing.assert_close(out[f"{p}.attention.qkv.activation_scaling_factor"],
+                                   qkv_in.reshape(1))  # fmt: skip
+        torch.testing.assert_close(out[f"{p}.mlp.proj.activation_scaling_factor"],
+                                   down_in.reshape(1))  # fmt: skip
+        assert torch.equal(out[f"{p}.mlp.proj.prequant_scaling_factor"], torch.ones(INTER // 2))
+
+
+def test_fp8_kv_cache_scales(quantized: dict, tmp_path: Path) -> None:
+    """kv_cache_quant_algo FP8 and one kv_cache_scaling_factor per layer: max(k_scale, v_scale)."""
+    from safetensors import safe_open
+
+    src, reference = quantized["fp8-kv"]
+    written = write_trtllm_checkpoint(src, tmp_path / "ckpt", tp=2)
+    assert written.config["quantization"]["kv_cache_quant_algo"] == "FP8"
+    assert written.config["quantization"]["quant_algo"] == "FP8"
     with safe_open(str(src / "model.safetensors"), "pt") as f:
-        q_in = f.get_tensor("model.layers.0.self_attn.q_proj.input_scale").float()
-        down_in = f.get_tensor("model.layers.0.mlp.down_proj.input_scale").float()
-    torch.testing.assert_close(out["transformer.layers.0.input_layernorm.scale_to_int"],
-                               (1 / q_in).reshape(1))  # fmt: skip
-    torch.testing.assert_close(out["transformer.layers.0.mlp.quantization_scaling_factor"],
-                               (1 / down_in).reshape(1))  # fmt: skip
-    torch.testing.assert_close(
-        out["transformer.layers.0.mlp.proj.act_scale"], down_in.reshape(1, 1)
-    )
+        k, v = (f.get_tensor(f"model.layers.1.self_attn.{n}_scale") for n in "kv")
+    for rank_file in written.rank_files:
+        scale = load_file(rank_file)["transformer.layers.1.attention.kv_cache_scaling_factor"]
+        assert scale.dtype == torch.float32
+        torch.testing.assert_close(scale, torch.maximum(k, v).float().reshape(1))
+    # A single per-tensor-scaled linear (o_proj) passes through exactly.
+    ranks = [load_file(f) for f in written.rank_files]
+    full = _gather(ranks, 0, "FP8", 2)["model.layers.0.self_attn.o_proj.weight"]
+    torch.testing.assert_close(full, reference["model.layers.0.self_attn.o_proj.weight"])
 
 
 def test_refusals_name_the_fix(quantized: dict, tmp_path: Path) -> None:

@@ -22,7 +22,6 @@ from qpipe.store.local import LocalStore
 if TYPE_CHECKING:
     from tests.s3_server import S3Server
 
-pytest_plugins = ["tests.s3_server"]  # the s3_server and s3_env fixtures
 
 RECIPE = """
 name: smollm2-int8

@@ -22,7 +22,6 @@ from qpipe.store.s3 import S3Marker, S3Store
 if TYPE_CHECKING:
     from tests.s3_server import S3Server
 
-pytest_plugins = ["tests.s3_server"]  # the s3_server and s3_env fixtures
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "ab" + "0123456789abcdef" * 3 + "cdef"

@@ -468,6 +468,7 @@ def test_keepalives_and_graceful_shutdown_drain(tiny_llama_checkpoint: Path) -> 
         httpx.get(f"{running.url}/health")
 
 
+@pytest.mark.slow
 def test_serve_command_binds_localhost_and_exits_cleanly(tiny_llama_checkpoint: Path) -> None:
     """The typer command the CLI wires as `qpipe serve`, as a real process stopped by SIGTERM."""
     with socket.socket() as probe:

@@ -24,7 +24,6 @@ from qpipe.store.transfer import copy_entries
 if TYPE_CHECKING:
     from tests.s3_server import S3Server
 
-pytest_plugins = ["tests.s3_server"]  # the s3_server and s3_env fixtures
 
 KEY = "cd" + "fedcba9876543210" * 3 + "abcd"
 
