@@ -1,0 +1,161 @@
+"""The FastAPI app: OpenAI routes, health, metrics, tokenize; errors as OpenAI error objects.
+
+FastAPI answers bad bodies with 422 and its own shape; OpenAI clients expect 400 and
+`{"error": {...}}`, so validation errors and HTTP errors are re-rendered here.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from qpipe.serve.api_errors import APIError
+from qpipe.serve.async_engine import AsyncLLMEngine
+from qpipe.serve.metrics import CONTENT_TYPE
+from qpipe.serve.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from qpipe.serve.serving_chat import OpenAIServingChat
+from qpipe.serve.serving_completion import OpenAIServingCompletion
+from qpipe.serve.serving_engine import ServingSettings
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    model_path: str
+    api_key: str | None = None
+    keepalive_interval_s: float = 15.0
+    drain_timeout_s: float = 30.0
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body().model_dump(), status_code=error.status, headers=error.headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One message and the offending field. A field with a union type (like `prompt`) fails once
+    per member, at locations below the field: the field is their common prefix."""
+    errors = exc.errors()
+    if errors[0].get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {errors[0].get('msg')}", None
+    locs = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
+    common = os.path.commonprefix(locs)  # NOTE: works on lists of path parts, not just strings
+    param = ".".join(common) or None
+    reasons = "; ".join(dict.fromkeys(str(e.get("msg")) for e in errors))
+    if len(errors) > 1:
+        reasons = f"no accepted form matches ({reasons})"
+    where = f"{param}: " if param else ""
+    return f"{where}{reasons} (got {errors[0].get('input')!r})", param
+
+
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
+    serving_settings = ServingSettings(
+        served_model_name=settings.served_model_name,
+        keepalive_interval_s=settings.keepalive_interval_s,
+    )
+    completion = OpenAIServingCompletion(engine, serving_settings)
+    chat = OpenAIServingChat(engine, serving_settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.shutdown(settings.drain_timeout_s)
+
+    app = FastAPI(title="qpipe server", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return _error_response(APIError(exc.status_code, str(exc.detail), error_type="http_error"))
+
+    def check_api_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token, settings.api_key):
+            raise APIError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
+                "server was started with (--api-key)",
+                error_type="authentication_error",
+            )
+
+    authed = [Depends(check_api_key)]
+
+    def disconnect_watcher(request: Request):  # noqa: ANN202 - a coroutine factory
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        return disconnected
+
+    def respond(result: object) -> Response:
+        if isinstance(result, AsyncIterator):
+            return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+        return JSONResponse(result.model_dump())  # type: ignore[attr-defined]
+
+    @app.post("/v1/completions", dependencies=authed)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return respond(await completion.create(body, disconnect_watcher(request)))
+
+    @app.post("/v1/chat/completions", dependencies=authed)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return respond(await chat.create(body, disconnect_watcher(request)))
+
+    @app.get("/v1/models", dependencies=authed)
+    async def models() -> ModelList:
+        card = ModelCard(
+            id=settings.served_model_name,
+            root=settings.model_path,
+            max_model_len=chat.max_model_len,
+        )
+        return ModelList(data=[card])
+
+    @app.post("/tokenize", dependencies=authed)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        chat.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            ids = chat.chat_prompt(messages, body.add_generation_prompt)
+        else:
+            ids = chat.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=chat.max_model_len)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.healthy:
+            raise APIError(503, "the engine is not running", error_type="service_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

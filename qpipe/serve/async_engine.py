@@ -1,0 +1,253 @@
+"""Runs the synchronous `LLMEngine` on a background thread and feeds asyncio request streams.
+
+The engine is single-threaded by design, so only the engine thread touches it: HTTP handlers post
+"add" and "abort" commands to a deque and wake the thread; the thread applies them between steps,
+detokenizes each step's tokens and hands the chunks to each request's asyncio queue. Detokenizing on
+the engine thread lets a stop string abort its request before the next step, so its blocks are freed
+at once and no token is computed past it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from qpipe.serve.detokenizer import IncrementalDetokenizer
+from qpipe.serve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from qpipe.serve.engine import LLMEngine, RequestOutput
+    from qpipe.serve.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds `max_queue` requests: the client should retry later."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine is shutting down or died: no new requests are taken."""
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """What a request gained since its last chunk. `text` is safe to show: no partial UTF-8
+    character, no partial stop string, nothing past a stop string."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class _RequestState:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[GenerationChunk | BaseException]
+    detokenizer: IncrementalDetokenizer
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token_time: float | None = None
+
+
+class RequestStream:
+    """The consumer side of one request. Aborting it before it finished is how a client
+    disconnect frees the request's KV blocks."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, state: _RequestState) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._engine = engine
+        self._queue = state.queue
+
+    async def next(self) -> GenerationChunk:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: ServerMetrics,
+        max_queue: int | None = None,
+        idle_poll_s: float = 1.0,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._idle_poll_s = idle_poll_s
+        self._commands: deque[tuple[str, str, object]] = deque()
+        self._states: dict[str, _RequestState] = {}
+        self._lock = threading.Lock()  # guards _states between handlers and the engine thread
+        self._wake = threading.Event()
+        self._stop = False
+        self._accepting = True
+        self.error: BaseException | None = None
+        self._num_waiting = 0
+        self._thread = threading.Thread(target=self._run, name="qpipe-engine", daemon=True)
+
+    # ---- called from the event loop -------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive() and not self._stop
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._states)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stop: Sequence[str] = (),
+    ) -> RequestStream:
+        if not self._accepting or not self.healthy:
+            raise EngineUnavailableError("the server is shutting down or its engine failed")
+        detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_token_ids, stop)
+        state = _RequestState(asyncio.get_running_loop(), asyncio.Queue(), detokenizer)
+        with self._lock:
+            pending_adds = sum(1 for kind, *_ in self._commands if kind == "add")
+            if self.max_queue is not None and self._num_waiting + pending_adds >= self.max_queue:
+                raise QueueFullError(f"{self._num_waiting + pending_adds} requests are waiting")
+            self._states[request_id] = state
+            self._commands.append(("add", request_id, (list(prompt_token_ids), params)))
+        self._wake.set()
+        return RequestStream(self, request_id, state)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._commands.append(("abort", request_id, None))
+        self._wake.set()
+
+    async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        """Stops taking requests, lets the running ones finish (up to `drain_timeout_s`), then stops
+        the engine thread."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout_s
+        while self.num_unfinished and time.monotonic() < deadline and self.healthy:
+            await asyncio.sleep(0.05)
+        if self.num_unfinished:
+            log.warning("shutdown: aborting %d unfinished requests", self.num_unfinished)
+        self._stop = True
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join)
+        self._fail_all(EngineUnavailableError("the server shut down before the request finished"))
+
+    # ---- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._wake.clear()
+                self._apply_commands()
+                if self.engine.has_unfinished():
+                    for output in self.engine.step():
+                        self._deliver(output)
+                    self._observe_stats()
+                else:
+                    self._observe_stats()
+                    self._wake.wait(self._idle_poll_s)
+        except BaseException as exc:  # noqa: BLE001 - every waiting client must hear about it
+            log.exception("engine thread failed")
+            self.error = exc
+            self._fail_all(exc)
+
+    def _apply_commands(self) -> None:
+        while True:
+            with self._lock:
+                if not self._commands:
+                    return
+                kind, request_id, payload = self._commands.popleft()
+            if kind == "add":
+                prompt_token_ids, params = payload  # type: ignore[misc]
+                try:
+                    self.engine.add_request(request_id, prompt_token_ids, params)
+                except ValueError as exc:
+                    self._finish_with(request_id, exc)
+            else:
+                self.engine.abort_request(request_id)
+                with self._lock:
+                    dropped = self._states.pop(request_id, None)
+                if dropped is not None:
+                    self.metrics.request_finished("abort")
+
+    def _deliver(self, output: RequestOutput) -> None:
+        with self._lock:
+            state = self._states.get(output.request_id)
+        if state is None:  # aborted while this step ran
+            return
+        now = time.perf_counter()
+        metrics = self.metrics
+        if state.last_token_time is None:
+            metrics.time_to_first_token.observe(now - state.arrival)
+            metrics.prompt_tokens.inc(output.num_prompt_tokens)
+        else:
+            metrics.inter_token_latency.observe(now - state.last_token_time)
+        state.last_token_time = now
+        metrics.generation_tokens.inc(len(output.new_token_ids))
+
+        detokenizer = state.detokenizer
+        text = detokenizer.add_tokens(output.new_token_ids)
+        finished, finish_reason = output.finished, output.finish_reason
+        if detokenizer.stopped:
+            if not finished:
+                self.engine.abort_request(output.request_id)
+            finished, finish_reason = True, "stop"
+        if finished:
+            text += detokenizer.flush()
+            metrics.e2e_request_latency.observe(now - state.arrival)
+            metrics.request_finished(finish_reason or "stop")
+            with self._lock:
+                self._states.pop(output.request_id, None)
+        chunk = GenerationChunk(
+            text=text,
+            token_ids=list(output.new_token_ids),
+            logprobs=output.new_logprobs,
+            finished=finished,
+            finish_reason=finish_reason,
+            num_prompt_tokens=output.num_prompt_tokens,
+            num_cached_tokens=output.num_cached_tokens,
+        )
+        state.loop.call_soon_threadsafe(state.queue.put_nowait, chunk)
+
+    def _observe_stats(self) -> None:
+        stats = self.engine.stats()
+        self._num_waiting = stats.num_waiting
+        self.metrics.observe_engine(stats)
+
+    def _finish_with(self, request_id: str, exc: BaseException) -> None:
+        with self._lock:
+            state = self._states.pop(request_id, None)
+        if state is not None:
+            state.loop.call_soon_threadsafe(state.queue.put_nowait, exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            states, self._states = self._states, {}
+        for state in states.values():
+            state.loop.call_soon_threadsafe(state.queue.put_nowait, exc)

@@ -1,0 +1,110 @@
+"""`qpipe serve`: load a checkpoint or artifact into the engine and serve it over HTTP."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def resolve_model_path(arg: str) -> Path:
+    """Where the weights to serve live. Today: a checkpoint or qpipe artifact directory.
+    The hook where store keys and engine aliases (`{model}-{arch}-{quant}-tp{N}`) will resolve."""
+    path = Path(arg).expanduser()
+    if not path.is_dir():
+        raise typer.BadParameter(
+            f"{arg!r} is not a directory; pass a checkpoint or artifact directory "
+            "(config.json + *.safetensors + tokenizer files)",
+            param_hint="MODEL",
+        )
+    return path
+
+
+def serve(
+    model: Annotated[str, typer.Argument(help="Checkpoint or artifact directory (or alias).")],
+    host: Annotated[str, typer.Option(help="Interface to bind; 0.0.0.0 exposes it.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+    max_num_seqs: Annotated[int, typer.Option(help="Most requests in one batch.")] = 64,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Most tokens in one step.")] = 2048,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="Prompt + output limit (default: the checkpoint's).")
+    ] = None,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 16,
+    enable_prefix_caching: Annotated[bool, typer.Option()] = True,
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    kv_cache_memory: Annotated[
+        float, typer.Option(help="KV-cache size in GiB (CPU).", min=0.01)
+    ] = 2.0,
+    gpu_memory_utilization: Annotated[
+        float, typer.Option(help="Share of GPU memory for weights + KV cache (GPU).")
+    ] = 0.9,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="QPIPE_API_KEY", help="Require 'Bearer <key>'.")
+    ] = None,
+    max_queue: Annotated[
+        int | None, typer.Option(help="Waiting requests before 503 + Retry-After.", min=1)
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Model name clients send (default: directory name).")
+    ] = None,
+    keepalive_interval: Annotated[
+        float, typer.Option(help="Seconds of silence before an SSE keep-alive comment.")
+    ] = 15.0,
+    drain_timeout: Annotated[
+        int, typer.Option(help="Seconds shutdown waits for running requests.", min=0)
+    ] = 30,
+) -> None:
+    """Serve a checkpoint with qpipe's paged-attention engine (OpenAI-compatible API)."""
+    import uvicorn
+    from rich.console import Console
+    from rich.logging import RichHandler
+
+    from qpipe.serve.api import ServerSettings, build_app
+    from qpipe.serve.async_engine import AsyncLLMEngine
+    from qpipe.serve.config import EngineConfig
+    from qpipe.serve.engine import LLMEngine
+    from qpipe.serve.metrics import ServerMetrics
+
+    path = resolve_model_path(model)
+    name = served_model_name or path.name
+    console = Console(stderr=True)
+    # the engine logs its KV-cache size (blocks, max concurrency at max_model_len) at INFO
+    logging.basicConfig(
+        level=logging.INFO, format="%(message)s", handlers=[RichHandler(console=console)]
+    )
+    try:
+        config = EngineConfig(
+            model=str(path),
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            kv_cache_memory_gib=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
+        with console.status(f"loading {path} on {device}"):
+            engine = LLMEngine(config)
+    except ValueError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from exc
+    async_engine = AsyncLLMEngine(engine, ServerMetrics(name), max_queue=max_queue)
+    settings = ServerSettings(
+        served_model_name=name,
+        model_path=str(path),
+        api_key=api_key,
+        keepalive_interval_s=keepalive_interval,
+        drain_timeout_s=drain_timeout,
+    )
+    console.print(f"serving [bold]{name}[/] on http://{host}:{port}/v1")
+    uvicorn.run(
+        build_app(async_engine, settings),
+        host=host,
+        port=port,
+        timeout_graceful_shutdown=drain_timeout,
+    )

@@ -1,0 +1,146 @@
+"""The engine loop: schedule -> run the model -> postprocess, one step at a time.
+
+`LLMEngine` is synchronous and single-threaded on purpose: the HTTP layer drives `step()` from its own
+loop and feeds requests in between steps, so the core never needs locks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from qpipe.serve.config import EngineConfig
+from qpipe.serve.sampling_params import SamplingParams
+from qpipe.serve.sequence import FinishReason, Sequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one request gained in one step. `new_logprobs[i]` maps token id -> logprob for the i-th
+    new token: the sampled token plus the `logprobs` most likely ones (None when not asked for)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for /metrics. Prefix-cache counters are cumulative and counted in tokens, like vLLM."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_total_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from qpipe.serve.model_runner import ModelRunner
+        from qpipe.serve.scheduler import Scheduler
+        from qpipe.serve.tokenizer import load_tokenizer
+
+        self.config = config
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(config.model)
+        self.model_runner = ModelRunner(config)
+        self.max_model_len: int = self.model_runner.max_model_len
+        self.eos_token_ids: frozenset[int] = self.model_runner.eos_token_ids
+        self.scheduler = Scheduler(
+            config,
+            num_blocks=self.model_runner.num_kv_blocks,
+            max_model_len=self.max_model_len,
+        )
+        self._requests: dict[str, Sequence] = {}
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Queue a request. Raises ValueError for an id in use, an empty prompt, or a prompt that
+        leaves no room to generate within `max_model_len`."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt has {len(prompt_token_ids)} tokens but "
+                f"max_model_len is {self.max_model_len}; shorten the prompt"
+            )
+        seq = Sequence(
+            request_id, prompt_token_ids, params, self.model_runner.new_generator(params)
+        )
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request and free its KV blocks now. Unknown or finished ids are ignored, so a
+        client disconnect racing with completion is harmless."""
+        seq = self._requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.abort(seq)
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return []
+        sampled = self.model_runner.run(batch)
+        outputs = []
+        for seq, token_id, logprobs in self.scheduler.postprocess(
+            batch, sampled, self.eos_token_ids
+        ):
+            if seq.is_finished:
+                self._requests.pop(seq.request_id, None)
+            outputs.append(
+                RequestOutput(
+                    request_id=seq.request_id,
+                    new_token_ids=[token_id],
+                    new_logprobs=None if logprobs is None else [logprobs],
+                    finished=seq.is_finished,
+                    finish_reason=seq.finish_reason,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_cached_tokens=seq.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def stats(self) -> EngineStats:
+        bm = self.scheduler.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage,
+            num_total_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Offline batch generation: the completion token ids of each prompt, in prompt order."""
+        ids = [f"generate-{id(prompts)}-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            self.add_request(request_id, prompt, params)
+        completions: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        while any(request_id in self._requests for request_id in ids):
+            for out in self.step():
+                if out.request_id in completions:
+                    completions[out.request_id].extend(out.new_token_ids)
+        return [completions[request_id] for request_id in ids]

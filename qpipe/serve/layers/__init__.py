@@ -1,0 +1,1 @@
+"""Building blocks of the served models: linear layers per weight format, attention, norms, rope."""

@@ -1,0 +1,63 @@
+"""Turns the last-token logits of a batch into next tokens, batched across requests.
+
+Greedy rows take the argmax; the others are tempered, top-k/top-p filtered and sampled. Requests
+with a seed draw from their own generator (kept on the sequence); the rest share one batched draw.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qpipe.serve.sampling_params import SamplingParams
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> tuple[list[int], list[dict[int, float] | None]]:
+    """logits: [batch, vocab] fp32. Returns token ids and, where asked, {token: logprob} with the
+    chosen token and the `logprobs` most likely ones (from the unmodified distribution, as vLLM)."""
+    batch = logits.shape[0]
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
+        shared = [j for j, i in enumerate(random_rows) if generators[i] is None]
+        if shared:
+            picked = torch.multinomial(probs[shared], 1).squeeze(1)
+            tokens[rows[shared]] = picked
+        for j, i in enumerate(random_rows):
+            if generators[i] is not None:
+                tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    token_list = tokens.tolist()
+    logprobs: list[dict[int, float] | None] = [None] * batch
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if wanted:
+        all_logprobs = torch.log_softmax(logits[wanted], dim=-1)
+        for j, i in enumerate(wanted):
+            top = all_logprobs[j].topk(params[i].logprobs) if params[i].logprobs else None
+            entry = {token_list[i]: all_logprobs[j, token_list[i]].item()}
+            if top is not None:
+                entry.update(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            logprobs[i] = entry
+    return token_list, logprobs
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temps.unsqueeze(1)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        drop = ranks >= top_k.to(logits.device).unsqueeze(1)
+        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        top_p = torch.tensor([p.top_p for p in params], device=logits.device).unsqueeze(1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return logits.softmax(dim=-1)

@@ -1,0 +1,200 @@
+"""Reads HF safetensors checkpoints, 16/32-bit or compressed-tensors (llm-compressor's output), into
+the engine's linear layers.
+
+compressed-tensors formats handled: "int-quantized" (int8 W8A8, or int8 weight-only when there is
+no activation scheme), "float-quantized" (fp8, dequantized to the model dtype at load: no fp8 GEMM
+on CPU), "pack-quantized" (int4/int8 weight-only with groups), "naive-quantized" like int.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from qpipe.serve.layers.linear import DenseLinear, Int8Linear, LinearBase, WeightOnlyLinear
+
+
+@dataclass(frozen=True)
+class LayerScheme:
+    """How one checkpoint linear is stored, from its compressed-tensors config group."""
+
+    format: str  # "dense" or a compressed-tensors format name
+    num_bits: int = 16
+    activations_dynamic_int8: bool = False
+
+
+def _matches(name: str, target: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == "Linear" or name == target or name.endswith("." + target)
+
+
+class QuantizationConfig:
+    def __init__(self, raw: dict | None) -> None:
+        self.raw = raw or {}
+        method = self.raw.get("quant_method")
+        if raw and method != "compressed-tensors":
+            raise ValueError(
+                f"quantization_config.quant_method {method!r} is not served; qpipe serves "
+                "compressed-tensors checkpoints (llm-compressor's output) and 16/32-bit ones"
+            )
+        if raw and self.raw.get("quantization_status", "compressed") != "compressed":
+            raise ValueError(
+                "quantization_config.quantization_status is not 'compressed'; save the model "
+                "with save_pretrained(..., save_compressed=True)"
+            )
+
+    def scheme_for(self, name: str) -> LayerScheme:
+        if not self.raw or any(_matches(name, t) for t in self.raw.get("ignore", [])):
+            return LayerScheme("dense")
+        for group in self.raw.get("config_groups", {}).values():
+            if not any(_matches(name, t) for t in group.get("targets", [])):
+                continue
+            weights = group.get("weights") or {}
+            acts = group.get("input_activations") or {}
+            fmt = group.get("format") or self.raw.get("format")
+            return LayerScheme(
+                fmt,
+                int(weights.get("num_bits", 16)),
+                acts.get("type") == "int" and acts.get("num_bits") == 8,
+            )
+        return LayerScheme("dense")
+
+
+class CheckpointWeights:
+    """A `WeightSource` over an HF checkpoint directory (one or more *.safetensors files)."""
+
+    def __init__(self, path: Path, quantization: QuantizationConfig, dtype: torch.dtype) -> None:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(
+                f"{path}: no *.safetensors files; convert the model first (qpipe convert)"
+            )
+        self.dtype = dtype
+        self.quantization = quantization
+        self._where: dict[str, Path] = {}
+        for file in files:
+            with safe_open(file, "pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open handles have no __iter__
+                    self._where[key] = file
+        self._handles = {file: safe_open(file, "pt") for file in files}
+
+    def has(self, name: str) -> bool:
+        return any(key.startswith(name + ".") for key in self._where)
+
+    def _raw(self, name: str) -> torch.Tensor | None:
+        file = self._where.get(name)
+        return None if file is None else self._handles[file].get_tensor(name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        raw = self._raw(name)
+        if raw is None:
+            raise KeyError(f"tensor {name!r} is missing from the checkpoint")
+        return raw.to(self.dtype)
+
+    def linear(self, name: str, parts: list[str]) -> LinearBase:
+        schemes = {self.quantization.scheme_for(part) for part in parts}
+        if len(schemes) != 1:
+            raise ValueError(f"{parts} are quantized differently; cannot fuse them into {name}")
+        scheme = schemes.pop()
+        loaded = [self._part(part, scheme) for part in parts]
+        bias = None
+        if any(p.get("bias") is not None for p in loaded):
+            bias = torch.cat([p["bias"] for p in loaded]).to(self.dtype)
+        weight = torch.cat([p["weight"] for p in loaded])
+        if scheme.format in ("dense", "float-quantized"):
+            return DenseLinear(weight, bias)
+        scale = torch.cat([p["weight_scale"] for p in loaded])
+        zero = None
+        if any(p.get("weight_zero_point") is not None for p in loaded):
+            zero = torch.cat(
+                [
+                    p["weight_zero_point"]
+                    if p.get("weight_zero_point") is not None
+                    else torch.zeros_like(p["weight_scale"])
+                    for p in loaded
+                ]
+            )
+        if scheme.num_bits == 8 and scheme.activations_dynamic_int8 and zero is None:
+            if scale.shape[1] != 1:
+                raise ValueError(f"{name}: int8 W8A8 with grouped weight scales is not served")
+            return Int8Linear(weight, scale, bias)
+        return WeightOnlyLinear(weight, scale, zero, bias)
+
+    def _part(self, part: str, scheme: LayerScheme) -> dict[str, torch.Tensor | None]:
+        """One checkpoint linear as {weight, weight_scale [out, groups], weight_zero_point, bias}."""
+        bias = self._raw(f"{part}.bias")
+        if scheme.format == "dense":
+            return {"weight": self.tensor(f"{part}.weight"), "bias": bias}
+        if scheme.format == "pack-quantized":
+            from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+            shape = torch.Size(self._raw(f"{part}.weight_shape").tolist())
+            weight = unpack_from_int32(self._raw(f"{part}.weight_packed"), scheme.num_bits, shape)
+        else:
+            weight = self._raw(f"{part}.weight")
+        if weight is None:
+            raise KeyError(f"{part}: no quantized weight in the checkpoint ({scheme.format})")
+        scale = self._raw(f"{part}.weight_scale").float()
+        scale = scale.reshape(-1, 1).expand(weight.shape[0], 1) if scale.numel() == 1 else scale
+        scale = scale.reshape(weight.shape[0], -1)
+        zero = self._raw(f"{part}.weight_zero_point")
+        if zero is not None and scheme.format == "pack-quantized" and zero.dtype == torch.int32:
+            from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+            zero = unpack_from_int32(zero, scheme.num_bits, scale.shape, packed_dim=0)
+        if zero is not None and not zero.any():
+            zero = None
+        if scheme.format == "float-quantized":
+            if scale.shape[1] != 1:
+                raise ValueError(f"{part}: fp8 with grouped scales is not served; use per-channel")
+            return {"weight": (weight.float() * scale).to(self.dtype), "bias": bias}
+        part_tensors: dict[str, torch.Tensor | None] = {
+            "weight": weight.to(torch.int8),
+            "weight_scale": scale,
+            "bias": bias,
+        }
+        if zero is not None:
+            part_tensors["weight_zero_point"] = zero.float().reshape(scale.shape)
+        return part_tensors
+
+
+def read_config_json(path: Path) -> dict:
+    file = path / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: no config.json; is this a checkpoint directory?")
+    return json.loads(file.read_text())
+
+
+def resolve_dtype(requested: str, device: str, checkpoint: dict) -> torch.dtype:
+    """ "auto" is fp32 on CPU (no native bf16 on the CPUs we target: bf16 GEMMs run ~5x slower) and
+    the checkpoint's 16-bit dtype on GPU (bf16 when it is stored in fp32)."""
+    if requested != "auto":
+        return getattr(torch, requested)
+    if device == "cpu":
+        return torch.float32
+    stored = checkpoint.get("dtype") or checkpoint.get("torch_dtype")
+    return torch.float16 if stored == "float16" else torch.bfloat16
+
+
+def load_model(path: Path, dtype: torch.dtype, device: str, max_positions: int) -> torch.nn.Module:
+    """The served model from a checkpoint or a qpipe artifact directory, on `device`."""
+    from transformers import AutoConfig
+
+    from qpipe.serve.artifact import ARTIFACT_MARKER, ArtifactWeights
+    from qpipe.serve.models.llama import LlamaForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(path)
+    if (path / ARTIFACT_MARKER).is_file():
+        weights = ArtifactWeights(path, dtype)
+    else:
+        raw = read_config_json(path)
+        weights = CheckpointWeights(path, QuantizationConfig(raw.get("quantization_config")), dtype)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(hf_config, weights, max_positions)
+    return model.to(device).eval()

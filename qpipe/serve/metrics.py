@@ -1,0 +1,91 @@
+"""Prometheus metrics under vLLM's names with a `qpipe:` prefix, so vLLM dashboards work unchanged.
+
+Each server owns its own registry (several servers can live in one test process). The engine reports
+cumulative counts (prefix-cache queries, preemptions); they become Prometheus counters by deltas.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from qpipe.serve.engine import EngineStats
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            metric = Histogram(
+                f"qpipe:{name}", doc, labels, buckets=buckets, registry=self.registry
+            )
+            return metric.labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"qpipe:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"qpipe:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.", _ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the last token.", _E2E_BUCKETS
+        )
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for blocks.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache blocks in use (1 = all).")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the cache.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted by recompute.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self._request_success = Counter(
+            "qpipe:request_success",
+            "Finished requests, by finish reason.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self._model_name = model_name
+        self._last_cumulative: dict[str, float] = {}
+
+    def request_finished(self, finish_reason: str) -> None:
+        self._request_success.labels(self._model_name, finish_reason).inc()
+
+    def observe_engine(self, stats: EngineStats) -> None:
+        """Copies the engine's `stats()` into the gauges and its cumulative counts into counters."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        for key, counter in (
+            ("prefix_cache_queries", self.prefix_cache_queries),
+            ("prefix_cache_hits", self.prefix_cache_hits),
+            ("num_preemptions", self.num_preemptions),
+        ):
+            value = getattr(stats, key)
+            delta = value - self._last_cumulative.get(key, 0)
+            if delta > 0:
+                counter.inc(delta)
+            self._last_cumulative[key] = value
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,204 @@
+"""Runs one scheduled batch: flat inputs, slot mapping and block tables -> model -> sampled tokens.
+
+It also owns the KV cache, sized once at start from the memory left after the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from qpipe.serve.config import EngineConfig
+from qpipe.serve.layers.attention import AttentionMetadata, PrefillSpan
+from qpipe.serve.layers.sampler import sample
+from qpipe.serve.loader import load_model, read_config_json, resolve_dtype
+from qpipe.serve.models.llama import head_dim_of
+from qpipe.serve.sampling_params import SamplingParams
+from qpipe.serve.scheduler import ScheduledBatch, ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.device = torch.device(config.device)
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                "EngineConfig.device is 'cuda' but torch sees no GPU; use device='cpu'"
+            )
+        path = Path(config.model)
+        raw = read_config_json(path)
+        self.dtype = resolve_dtype(config.dtype, config.device, raw)
+        limit = raw.get("max_position_embeddings", config.max_model_len_cap)
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(
+                f"EngineConfig.max_model_len={config.max_model_len} exceeds the checkpoint's "
+                f"max_position_embeddings={limit}; lower it"
+            )
+        max_len = min(config.max_model_len or limit, config.max_model_len_cap)
+        torch.manual_seed(config.seed)
+        self.model = load_model(path, self.dtype, config.device, max_len)
+        hf = self.model.config
+        eos = raw.get("eos_token_id")
+        self.eos_token_ids = frozenset(
+            eos if isinstance(eos, list) else [] if eos is None else [eos]
+        )
+        self.num_layers = hf.num_hidden_layers
+        self.num_kv_heads = hf.num_key_value_heads
+        self.head_dim = head_dim_of(hf)
+        self.num_kv_blocks = self._count_kv_blocks()
+        capacity = self.num_kv_blocks * self.block_size
+        if capacity < max_len:
+            log.warning(
+                "KV cache holds %d tokens < max_model_len %d: capping max_model_len",
+                capacity,
+                max_len,
+            )
+        self.max_model_len = min(max_len, capacity)
+        self.kv_cache = torch.zeros(
+            self.num_layers, 2, self.num_kv_blocks, self.block_size, self.num_kv_heads,
+            self.head_dim, dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB); max concurrency at max_model_len %d: %.1f",
+            self.num_kv_blocks, self.block_size, self.kv_cache.nbytes / GIB, self.max_model_len,
+            capacity / self.max_model_len,
+        )  # fmt: skip
+
+    @property
+    def block_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def _count_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.config.device == "cuda":
+            budget = self._profile_gpu_free_bytes()
+        else:
+            budget = int(self.config.kv_cache_memory_gib * GIB)
+            available = _available_host_bytes()
+            if available is not None and budget > available:
+                raise ValueError(
+                    f"kv_cache_memory_gib={self.config.kv_cache_memory_gib} but only "
+                    f"{available / GIB:.1f} GiB of RAM is available after loading the weights; "
+                    "lower --kv-cache-memory"
+                )
+        blocks = budget // self.block_bytes
+        if blocks < 1:
+            raise ValueError(
+                f"no room for a single KV block ({self.block_bytes} bytes); give the KV cache "
+                "more memory (--kv-cache-memory on CPU, --gpu-memory-utilization on GPU)"
+            )
+        return blocks
+
+    def _profile_gpu_free_bytes(self) -> int:
+        """Run the biggest batch the scheduler may form, then hand the KV cache what is left of
+        the allowed share of GPU memory beyond that peak."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len_cap)
+        blocks = -(-tokens // self.block_size)
+        scratch = torch.zeros(
+            self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim,
+            dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(tokens, device=self.device),
+            num_decode_tokens=0,
+            decode_block_tables=None,
+            decode_mask=None,
+            prefills=(PrefillSpan(0, tokens, 0, torch.arange(blocks, device=self.device)),),
+        )
+        with torch.inference_mode():
+            ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+            self.model(ids, torch.arange(tokens, device=self.device), scratch, meta, ids[-1:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del scratch
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_reserved()
+        return int(total * self.config.gpu_memory_utilization - used_by_others - peak)
+
+    def new_generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(params.seed)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> dict[str, tuple[int, dict[int, float] | None]]:
+        """Sampled (token, logprobs) per request id, for the sequences whose chunk ends the prompt."""
+        decodes = [item for item in batch.items if item.num_new_tokens == 1]
+        prefills = [item for item in batch.items if item.num_new_tokens > 1]
+        ordered = decodes + prefills
+        input_ids, positions, meta = self._prepare(decodes, prefills)
+        ends = torch.tensor([it.num_new_tokens for it in ordered]).cumsum(0) - 1
+        sampling = [i for i, it in enumerate(ordered) if it.samples]
+        if not sampling:
+            self.model(input_ids, positions, self.kv_cache, meta, ends[:0].to(self.device))
+            return {}
+        logits_indices = ends[sampling].to(self.device)
+        logits = self.model(input_ids, positions, self.kv_cache, meta, logits_indices)
+        seqs = [ordered[i].seq for i in sampling]
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return {s.request_id: (t, lp) for s, t, lp in zip(seqs, tokens, logprobs, strict=True)}
+
+    def _prepare(
+        self, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for item in decodes:
+            seq, p = item.seq, item.start
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+        spans = []
+        for item in prefills:
+            seq, start, n = item.seq, item.start, item.num_new_tokens
+            spans.append(
+                PrefillSpan(
+                    len(ids), n, start,
+                    torch.tensor(seq.block_table[: -(-(start + n) // bs)], device=self.device),
+                )
+            )  # fmt: skip
+            ids.extend(seq.token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+        tables = mask = None
+        if decodes:
+            width = max(len(item.seq.block_table) for item in decodes)
+            padded = [
+                it.seq.block_table + [0] * (width - len(it.seq.block_table)) for it in decodes
+            ]
+            tables = torch.tensor(padded, device=self.device)
+            context = torch.tensor([it.start + 1 for it in decodes], device=self.device)
+            mask = torch.arange(width * bs, device=self.device)[None, :] < context[:, None]
+            mask = mask[:, None, None, :]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=self.device),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=tables,
+            decode_mask=mask,
+            prefills=tuple(spans),
+        )
+        return torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta
+
+
+def _available_host_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

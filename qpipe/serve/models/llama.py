@@ -1,0 +1,117 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM): one decoder, differences read from config.
+
+Weights come from a `WeightSource`, which hands over plain tensors (embeddings, norms) and ready
+linear layers by fused name with the checkpoint names they fuse, so the same model class serves HF
+checkpoints, compressed-tensors checkpoints and qpipe artifacts.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from qpipe.serve.layers.attention import AttentionMetadata, paged_attention
+from qpipe.serve.layers.linear import DenseLinear, LinearBase
+from qpipe.serve.layers.norm import RMSNorm
+from qpipe.serve.layers.rotary import RotaryEmbedding
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class WeightSource(Protocol):
+    def tensor(self, name: str) -> torch.Tensor: ...
+
+    def has(self, name: str) -> bool: ...
+
+    def linear(self, name: str, parts: list[str]) -> LinearBase: ...
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, weights: WeightSource, prefix: str) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.scale = self.head_dim**-0.5
+        eps = config.rms_norm_eps
+        attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        self.input_layernorm = RMSNorm(weights.tensor(f"{prefix}.input_layernorm.weight"), eps)
+        self.qkv_proj = weights.linear(
+            f"{attn}.qkv_proj", [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"]
+        )
+        self.o_proj = weights.linear(f"{attn}.o_proj", [f"{attn}.o_proj"])
+        self.post_attention_layernorm = RMSNorm(
+            weights.tensor(f"{prefix}.post_attention_layernorm.weight"), eps
+        )
+        self.gate_up_proj = weights.linear(
+            f"{mlp}.gate_up_proj", [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
+        )
+        self.down_proj = weights.linear(f"{mlp}.down_proj", [f"{mlp}.down_proj"])
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: RotaryEmbedding,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        hidden = hidden + self.o_proj(attn)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig, weights: WeightSource, max_positions: int) -> None:
+        super().__init__()
+        architectures = getattr(config, "architectures", None) or ["LlamaForCausalLM"]
+        if architectures[0] not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {architectures[0]!r} is not served; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        self.config = config
+        self.embed_tokens = weights.tensor("model.embed_tokens.weight")
+        self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, weights, f"model.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(weights.tensor("model.norm.weight"), config.rms_norm_eps)
+        if getattr(config, "tie_word_embeddings", False) or not weights.has("lm_head"):
+            self.lm_head: LinearBase = DenseLinear(self.embed_tokens, None)
+        else:
+            self.lm_head = weights.linear("lm_head", ["lm_head"])
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits (fp32) for the tokens at `logits_indices` only: the vocabulary projection is the
+        biggest GEMM per token, and only each sequence's last token needs it."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, self.rotary, positions, kv_cache, meta)
+        hidden = self.norm(hidden[logits_indices])
+        return self.lm_head(hidden).float()
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

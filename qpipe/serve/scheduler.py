@@ -1,0 +1,150 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Each step first gives every running decode its one token (preempting the newest sequences by
+recompute when the cache is full), then continues chunked prefills, then admits waiting requests
+while free blocks, `max_num_seqs` and the `max_num_batched_tokens` budget allow.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from qpipe.serve.block_manager import BlockManager
+from qpipe.serve.config import EngineConfig
+from qpipe.serve.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position to compute (= tokens already in the cache)
+    num_new_tokens: int
+    samples: bool  # the chunk reaches the last token, so this step samples the next one
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    items: list[ScheduledSeq] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.items)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self._finish(seq, "abort")
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.block_manager.free_blocks(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: drop the KV, requeue first; the tokens are kept, so the
+        resumed request prefills prompt + generated tokens and continues exactly where it was."""
+        self.running.remove(seq)
+        self.block_manager.free_blocks(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        items: list[ScheduledSeq] = []
+        decodes = [s for s in self.running if s.num_computed_tokens == s.num_tokens - 1]
+        for seq in decodes:
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue
+            while not self.block_manager.can_append(seq):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.append_slot(seq)
+                items.append(_scheduled(seq, 1))
+                budget -= 1
+        items = [item for item in items if item.seq.status is SequenceStatus.RUNNING]
+        for seq in self.running:
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if remaining > 1 and budget > 0:
+                chunk = min(remaining, budget)
+                items.append(_scheduled(seq, chunk))
+                budget -= chunk
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            first_admission = seq.num_completion_tokens == 0 and seq.num_cached_tokens == 0
+            self.block_manager.allocate(seq)
+            if first_admission:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            items.append(_scheduled(seq, chunk))
+            budget -= chunk
+        return ScheduledBatch(items)
+
+    def postprocess(
+        self,
+        batch: ScheduledBatch,
+        sampled: dict[str, tuple[int, dict[int, float] | None]],
+        eos_token_ids: frozenset[int],
+    ) -> Iterator[tuple[Sequence, int, dict[int, float] | None]]:
+        """Advance the computed counts, append sampled tokens, finish what is done. Yields one
+        (sequence, new token, its logprobs) per sequence that gained a token."""
+        for item in batch.items:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted between schedule and postprocess
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            self.block_manager.register_computed_blocks(seq)
+            if not item.samples:
+                continue
+            token_id, logprobs = sampled[seq.request_id]
+            seq.token_ids.append(token_id)
+            reason = self._finish_reason(seq, token_id, eos_token_ids)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+            yield seq, token_id, logprobs
+
+    def _finish_reason(
+        self, seq: Sequence, token_id: int, eos_token_ids: frozenset[int]
+    ) -> FinishReason | None:
+        params = seq.params
+        if token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in eos_token_ids
+        ):
+            return "stop"
+        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+
+def _scheduled(seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
+    start = seq.num_computed_tokens
+    return ScheduledSeq(seq, start, num_new_tokens, start + num_new_tokens == seq.num_tokens)

@@ -1,0 +1,62 @@
+"""One request as the engine sees it: its tokens, how many of them already have KV in the cache,
+and which cache blocks hold them."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Literal
+
+from qpipe.serve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        # NOTE: the generator lives with the sequence, so a preempted request resumes its random
+        # stream where it stopped and a seeded request gives the same tokens whatever the batch.
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks registered so far
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.finish_reason: FinishReason | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def block_tokens(self, index: int, block_size: int) -> list[int]:
+        return self.token_ids[index * block_size : (index + 1) * block_size]

@@ -1,0 +1,123 @@
+"""/v1/chat/completions: messages through the checkpoint's chat template, logprobs, stream."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from qpipe.serve.api_errors import as_api_error
+from qpipe.serve.async_engine import RequestStream
+from qpipe.serve.openai_protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    UsageInfo,
+)
+from qpipe.serve.sampling_params import SamplingParams
+from qpipe.serve.serving_engine import (
+    ChoiceOutput,
+    Disconnected,
+    OpenAIServing,
+    sse_event,
+    usage_info,
+)
+
+
+class OpenAIServingChat(OpenAIServing):
+    def _prepare(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        self.check_model(body.model)
+        self.check_unsupported(body)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt = self.chat_prompt(messages, body.add_generation_prompt)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return prompt, self.sampling_params(body, max_tokens, len(prompt), logprobs)
+
+    def _logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, float]], k: int
+    ) -> ChatLogprobs:
+        content = []
+        for token_id, candidates in zip(token_ids, logprobs, strict=False):
+            top = sorted(candidates.items(), key=lambda kv: -kv[1])[:k]
+            content.append(
+                ChatTokenLogprob(
+                    token=self.tokenizer.decode([token_id]),
+                    logprob=candidates.get(token_id, float("-inf")),
+                    top_logprobs=[
+                        ChatTopLogprob(token=self.tokenizer.decode([t]), logprob=lp)
+                        for t, lp in top
+                    ],
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    async def create(
+        self, body: ChatCompletionRequest, disconnected: Disconnected
+    ) -> ChatCompletionResponse | AsyncIterator[bytes]:
+        prompt, params = self._prepare(body)
+        streams = self.start([prompt], params, body.stop_strings())
+        if body.stream:
+            return self._stream(body, streams[0], len(prompt))
+        (result,) = await self.collect(streams, disconnected)
+        logprobs = None
+        if body.logprobs:
+            logprobs = self._logprobs(result.token_ids, result.logprobs, body.top_logprobs or 0)
+        return ChatCompletionResponse(
+            model=self.settings.served_model_name,
+            choices=[
+                ChatChoice(
+                    message=ChatResponseMessage(content=result.text),
+                    logprobs=logprobs,
+                    finish_reason=result.finish_reason,
+                )
+            ],
+            usage=usage_info([result], [len(prompt)]),
+        )
+
+    async def _stream(
+        self, body: ChatCompletionRequest, stream: RequestStream, prompt_len: int
+    ) -> AsyncIterator[bytes]:
+        response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        model = self.settings.served_model_name
+        result = ChoiceOutput()
+
+        def event(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> bytes:
+            chunk = ChatCompletionChunk(
+                id=response_id, created=created, model=model, choices=choices, usage=usage
+            )
+            return sse_event(chunk.model_dump_json())
+
+        yield event([ChatStreamChoice(delta=ChatDelta(role="assistant", content=""))])
+        try:
+            async for item in self.merged([stream]):
+                if item is None:
+                    yield b": keep-alive\n\n"
+                    continue
+                chunk = item[1]
+                result.add(chunk)
+                logprobs = None
+                if body.logprobs:
+                    logprobs = self._logprobs(
+                        chunk.token_ids, chunk.logprobs or [], body.top_logprobs or 0
+                    )
+                if not chunk.text and logprobs is None and not chunk.finished:
+                    continue
+                choice = ChatStreamChoice(
+                    delta=ChatDelta(content=chunk.text or None),
+                    logprobs=logprobs,
+                    finish_reason=chunk.finish_reason,
+                )
+                yield event([choice])
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield event([], usage_info([result], [prompt_len]))
+        except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band
+            yield sse_event(as_api_error(exc).body().model_dump_json())
+        yield sse_event("[DONE]")

@@ -1,0 +1,151 @@
+"""/v1/completions: prompts as text or token ids, several per request, echo, logprobs, stream."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from qpipe.serve.api_errors import APIError, as_api_error
+from qpipe.serve.async_engine import RequestStream
+from qpipe.serve.openai_protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from qpipe.serve.sampling_params import SamplingParams
+from qpipe.serve.serving_engine import (
+    ChoiceOutput,
+    Disconnected,
+    OpenAIServing,
+    sse_event,
+    usage_info,
+)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    def _prompts(self, body: CompletionRequest) -> list[list[int]]:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            prompts: list[str | list[int]] = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]  # type: ignore[list-item]
+        else:
+            prompts = list(prompt)  # type: ignore[arg-type]
+        if not prompts:
+            raise APIError(400, "prompt is empty", param="prompt")
+        vocab = len(self.tokenizer)
+        token_lists = []
+        for p in prompts:
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise APIError(400, "prompt is empty: it encodes to no tokens", param="prompt")
+            if any(not 0 <= t < vocab for t in ids):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            token_lists.append(ids)
+        return token_lists
+
+    def _prepare(self, body: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+        self.check_model(body.model)
+        self.check_unsupported(body)
+        if body.suffix:
+            raise APIError(400, "suffix is not supported by qpipe's server", param="suffix")
+        if body.echo and body.logprobs is not None:
+            raise APIError(
+                400, "echo with logprobs (prompt logprobs) is not supported", param="echo"
+            )
+        prompts = self._prompts(body)
+        longest = max(len(p) for p in prompts)
+        params = self.sampling_params(body, body.max_tokens, longest, body.logprobs)
+        return prompts, params
+
+    def _logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, float]], k: int, offset: int
+    ) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for token_id, candidates in zip(token_ids, logprobs, strict=False):
+            token = self.tokenizer.decode([token_id])
+            out.tokens.append(token)
+            out.token_logprobs.append(candidates.get(token_id))
+            top = sorted(candidates.items(), key=lambda kv: -kv[1])[:k]
+            out.top_logprobs.append({self.tokenizer.decode([t]): lp for t, lp in top})
+            out.text_offset.append(offset)
+            offset += len(token)
+        return out
+
+    async def create(
+        self, body: CompletionRequest, disconnected: Disconnected
+    ) -> CompletionResponse | AsyncIterator[bytes]:
+        prompts, params = self._prepare(body)
+        streams = self.start(prompts, params, body.stop_strings())
+        echoes = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
+        if body.stream:
+            return self._stream(body, streams, prompts, echoes)
+        results = await self.collect(streams, disconnected)
+        choices = []
+        for i, result in enumerate(results):
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = self._logprobs(result.token_ids, result.logprobs, body.logprobs, 0)
+            choices.append(
+                CompletionChoice(
+                    index=i,
+                    text=echoes[i] + result.text,
+                    logprobs=logprobs,
+                    finish_reason=result.finish_reason,
+                )
+            )
+        return CompletionResponse(
+            model=self.settings.served_model_name,
+            choices=choices,
+            usage=usage_info(results, [len(p) for p in prompts]),
+        )
+
+    async def _stream(
+        self,
+        body: CompletionRequest,
+        streams: list[RequestStream],
+        prompts: list[list[int]],
+        echoes: list[str],
+    ) -> AsyncIterator[bytes]:
+        response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        model = self.settings.served_model_name
+        results = [ChoiceOutput() for _ in streams]
+        offsets = [len(e) for e in echoes]
+        pending_echo = [bool(e) for e in echoes]
+
+        def event(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
+            response = CompletionResponse(
+                id=response_id, created=created, model=model, choices=choices, usage=usage
+            )
+            return sse_event(response.model_dump_json())
+
+        try:
+            async for item in self.merged(streams):
+                if item is None:
+                    yield b": keep-alive\n\n"
+                    continue
+                index, chunk = item
+                results[index].add(chunk)
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = self._logprobs(
+                        chunk.token_ids, chunk.logprobs or [], body.logprobs, offsets[index]
+                    )
+                    offsets[index] += sum(len(t) for t in logprobs.tokens)
+                text = chunk.text
+                if pending_echo[index]:
+                    text, pending_echo[index] = echoes[index] + text, False
+                if not text and logprobs is None and not chunk.finished:
+                    continue
+                choice = CompletionChoice(
+                    index=index, text=text, logprobs=logprobs, finish_reason=chunk.finish_reason
+                )
+                yield event([choice])
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield event([], usage_info(results, [len(p) for p in prompts]))
+        except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band
+            yield sse_event(as_api_error(exc).body().model_dump_json())
+        yield sse_event("[DONE]")

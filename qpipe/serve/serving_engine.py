@@ -1,0 +1,233 @@
+"""What the OpenAI endpoints share: request checks, sampling parameters, and running engine
+requests to the end (streamed or collected) with keep-alives and abort on disconnect.
+
+Everything a client can get wrong is checked before the engine sees the request, and raised as an
+`APIError` that the app renders as an OpenAI error object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from qpipe.serve.api_errors import APIError, as_api_error
+from qpipe.serve.async_engine import (
+    AsyncLLMEngine,
+    EngineUnavailableError,
+    GenerationChunk,
+    QueueFullError,
+    RequestStream,
+)
+from qpipe.serve.openai_protocol import SamplingRequest, UsageInfo
+from qpipe.serve.sampling_params import SamplingParams
+
+Disconnected = Callable[[], Awaitable[None]]  # returns once the client has gone away
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    served_model_name: str
+    keepalive_interval_s: float = 15.0
+    retry_after_s: int = 1
+
+
+@dataclass
+class ChoiceOutput:
+    """One choice's output so far, for non-streaming responses and the final usage."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs or []
+        self.finish_reason = chunk.finish_reason
+        self.num_prompt_tokens = chunk.num_prompt_tokens
+        self.num_cached_tokens = chunk.num_cached_tokens
+
+
+def usage_info(choices: list[ChoiceOutput], prompt_lens: list[int]) -> UsageInfo:
+    prompt = sum(prompt_lens)
+    completion = sum(len(c.token_ids) for c in choices)
+    cached = sum(c.num_cached_tokens for c in choices)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details={"cached_tokens": cached},
+    )
+
+
+def sse_event(payload: str) -> bytes:
+    return f"data: {payload}\n\n".encode()
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, settings: ServingSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len: int = engine.engine.max_model_len
+
+    # ---- request checks -------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.served_model_name:
+            raise APIError(
+                400,
+                f"model {model!r} is not served here; this server serves "
+                f"{self.settings.served_model_name!r} (see GET /v1/models)",
+                param="model",
+            )
+
+    def check_unsupported(self, body: SamplingRequest) -> None:
+        if body.n != 1:
+            raise APIError(
+                400,
+                f"n={body.n} is not supported: qpipe returns one choice per prompt; "
+                "send n separate requests (with different seeds) instead",
+                param="n",
+            )
+        unsupported = {
+            "best_of": body.best_of not in (None, 1),
+            "presence_penalty": body.presence_penalty != 0,
+            "frequency_penalty": body.frequency_penalty != 0,
+            "logit_bias": bool(body.logit_bias),
+        }
+        for name, used in unsupported.items():
+            if used:
+                raise APIError(400, f"{name} is not supported by qpipe's server", param=name)
+
+    def sampling_params(
+        self, body: SamplingRequest, max_tokens: int | None, prompt_len: int, logprobs: int | None
+    ) -> SamplingParams:
+        room = self.max_model_len - prompt_len
+        if prompt_len >= self.max_model_len:
+            raise APIError(
+                400,
+                f"the prompt has {prompt_len} tokens but this model's maximum context length is "
+                f"{self.max_model_len} tokens (--max-model-len); shorten the prompt",
+                param="prompt",
+            )
+        if max_tokens is not None and max_tokens <= 0:
+            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {prompt_len}, so max_tokens can be at most {room} (got {max_tokens})",
+                param="max_tokens",
+            )
+        try:
+            return SamplingParams(
+                max_tokens=room if max_tokens is None else max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                seed=body.seed,
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc).removeprefix("SamplingParams.")) from exc
+
+    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(
+                400,
+                "this checkpoint has no chat template (chat_template.jinja or "
+                "tokenizer_config.json); use /v1/completions with a formatted prompt",
+                param="messages",
+            )
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    def start(
+        self, prompts: list[list[int]], params: SamplingParams, stop: list[str]
+    ) -> list[RequestStream]:
+        base = uuid.uuid4().hex
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                streams.append(self.engine.add_request(f"{base}-{i}", ids, params, stop))
+        except QueueFullError as exc:
+            for stream in streams:
+                stream.abort()
+            raise APIError(
+                503,
+                f"the server's waiting queue is full ({exc}); retry later",
+                error_type="server_overloaded",
+                headers={"Retry-After": str(self.settings.retry_after_s)},
+            ) from exc
+        except EngineUnavailableError as exc:
+            raise APIError(503, str(exc), error_type="service_unavailable") from exc
+        return streams
+
+    async def merged(
+        self, streams: list[RequestStream]
+    ) -> AsyncIterator[tuple[int, GenerationChunk] | None]:
+        """Chunks of all streams as (choice index, chunk); None after a keep-alive interval of
+        silence. Leaving early aborts every unfinished stream."""
+        queue: asyncio.Queue[tuple[int, GenerationChunk] | BaseException] = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                while not stream.finished:
+                    queue.put_nowait((index, await stream.next()))
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait(exc)
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        unfinished = len(streams)
+        try:
+            while unfinished:
+                try:
+                    item = await asyncio.wait_for(queue.get(), self.settings.keepalive_interval_s)
+                except TimeoutError:
+                    yield None
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                unfinished -= item[1].finished
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for stream in streams:
+                stream.abort()
+
+    async def collect(
+        self, streams: list[RequestStream], disconnected: Disconnected
+    ) -> list[ChoiceOutput]:
+        """Runs the streams to the end; a client that disconnects first aborts them."""
+        results = [ChoiceOutput() for _ in streams]
+
+        async def run() -> None:
+            async for item in self.merged(streams):
+                if item is not None:
+                    results[item[0]].add(item[1])
+
+        gen_task = asyncio.create_task(run())
+        watch_task = asyncio.create_task(disconnected())
+        try:
+            await asyncio.wait({gen_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch_task.cancel()
+            if not gen_task.done():
+                gen_task.cancel()
+            (outcome,) = await asyncio.gather(gen_task, return_exceptions=True)
+        if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+            raise as_api_error(outcome) from outcome
+        return results
