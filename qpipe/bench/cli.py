@@ -1,0 +1,313 @@
+"""`qpipe bench`: throughput check of any OpenAI-compatible server, its history and regressions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from qpipe.bench.config import LoadProfile
+
+if TYPE_CHECKING:
+    from qpipe.bench.client import Target
+    from qpipe.bench.history import HistoryRow
+    from qpipe.bench.runner import BenchOptions, LevelResult
+
+bench_app = typer.Typer(
+    invoke_without_command=True,
+    no_args_is_help=False,
+    help="Benchmark an OpenAI-compatible endpoint (vLLM `bench serve` figures); history; compare.",
+)
+console = Console()
+
+StoreOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--store",
+        help="Store holding bench/history.sqlite (default: $QPIPE_HOME or ~/.cache/qpipe).",
+    ),
+]
+
+
+@bench_app.callback()
+def bench(
+    ctx: typer.Context,
+    endpoint: Annotated[
+        str | None, typer.Option(help="Server base URL, e.g. http://127.0.0.1:8000")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Model name to request (default: the first of /v1/models)")
+    ] = None,
+    concurrency: Annotated[str, typer.Option(help="Comma-separated max concurrencies")] = "1,8,32",
+    request_rate: Annotated[str, typer.Option(help="Requests/s, or inf (all at once)")] = "inf",
+    burstiness: Annotated[float, typer.Option(help="Gamma shape of arrivals; 1 = Poisson")] = 1.0,
+    input_len: Annotated[int, typer.Option(help="Prompt tokens (random dataset)")] = 512,
+    output_len: Annotated[int, typer.Option(help="Output tokens per request")] = 256,
+    dataset: Annotated[str, typer.Option(help="random | FILE.jsonl | sharegpt.json")] = "random",
+    num_prompts: Annotated[
+        int | None, typer.Option(help="Prompts per level (default: 4 x concurrency, at least 8)")
+    ] = None,
+    goodput: Annotated[str | None, typer.Option(help="SLOs in ms, e.g. ttft:500,tpot:50")] = None,
+    chat: Annotated[bool, typer.Option(help="Use /v1/chat/completions")] = False,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option(help="Tokenizer directory (default: the served model's directory)"),
+    ] = None,
+    result_file: Annotated[
+        Path | None, typer.Option(help="Write one JSON object per level (JSON lines)")
+    ] = None,
+    plot_dir: Annotated[Path | None, typer.Option(help="Write PNG plots here")] = None,
+    alias: Annotated[
+        str | None, typer.Option(help="History name of what is benched (default: the model name)")
+    ] = None,
+    hardware: Annotated[
+        str | None, typer.Option(help="History hardware label (default: this machine's CPU/GPU)")
+    ] = None,
+    store: StoreOption = None,
+    record: Annotated[bool, typer.Option(help="Record the results in the history")] = True,
+    accept: Annotated[bool, typer.Option(help="Record them as an accepted baseline")] = False,
+    repeats: Annotated[int, typer.Option(help="Run every level this many times (noise band)")] = 1,
+    ignore_eos: Annotated[bool, typer.Option(help="Ask for exactly the output length")] = True,
+    warmup: Annotated[int, typer.Option(help="Untimed warm-up requests")] = 1,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds without data before a request fails")
+    ] = 60.0,
+    seed: int = 0,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="QPIPE_API_KEY", help="Send 'Authorization: Bearer KEY'")
+    ] = None,
+) -> None:
+    if ctx.invoked_subcommand is not None:
+        return
+    if endpoint is None:
+        console.print(ctx.get_help())
+        raise typer.Exit(2)
+    import asyncio
+
+    from qpipe.bench.client import Target, served_model
+    from qpipe.bench.dataset import load_tokenizer
+    from qpipe.bench.metrics import parse_goodput
+    from qpipe.bench.runner import BenchError, BenchOptions, run_benchmark
+
+    try:
+        levels = [_int(c, "--concurrency") for c in concurrency.split(",") if c.strip()]
+        rate = None if request_rate.strip().lower() == "inf" else float(request_rate)
+        options = BenchOptions(dataset, burstiness, parse_goodput(goodput), seed, warmup)
+        profiles = [
+            LoadProfile(
+                input_len=input_len,
+                output_len=output_len,
+                concurrency=c,
+                num_prompts=num_prompts or max(8, 4 * c),
+                request_rate=rate,
+            )
+            for c in levels
+        ] * repeats
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if model is None:
+        try:
+            served = asyncio.run(served_model(endpoint, api_key))
+        except Exception as exc:
+            _fail(f"cannot list models at {endpoint}/v1/models ({exc}); is it up? or pass --model")
+        model = served.id
+        # NOTE: a server on this machine names the directory it loaded; its tokenizer is there.
+        if tokenizer is None and served.root and Path(served.root).is_dir():
+            tokenizer = Path(served.root)
+    if tokenizer is None and Path(model).is_dir():
+        tokenizer = Path(model)
+    target = Target(
+        endpoint, model, chat=chat, ignore_eos=ignore_eos, read_timeout_s=timeout, api_key=api_key
+    )
+    try:
+        results = run_benchmark(
+            target, profiles, options, load_tokenizer(tokenizer) if tokenizer else None
+        )
+    except BenchError as exc:
+        _fail(str(exc))
+    for level in results:
+        print_level(level)
+    if result_file is not None:
+        write_results(result_file, results, target, options, tokenizer)
+        console.print(f"results: {result_file}")
+    if plot_dir is not None:
+        from qpipe.bench.plots import write_plots
+
+        for path in write_plots(results, plot_dir):
+            console.print(f"plot: {path}")
+    if record:
+        from qpipe.bench.history import History, hardware_string, history_path
+
+        history = History(history_path(store or default_store_dir()))
+        hw = hardware or hardware_string()
+        ids = [
+            history.record(
+                alias or model, hw, lv.profile_label(dataset), lv.metrics.summary(), accept
+            )
+            for lv in results
+        ]
+        state = "accepted baseline" if accept else "recorded"
+        console.print(f"{state}: runs {', '.join(map(str, ids))} in {history.path}")
+
+
+def write_results(
+    path: Path,
+    results: list[LevelResult],
+    target: Target,
+    options: BenchOptions,
+    tokenizer: Path | None,
+) -> None:
+    """One JSON object per level, one per line (a single level makes a plain JSON file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer_id = str(tokenizer) if tokenizer else None
+    with path.open("w") as f:
+        for level in results:
+            f.write(json.dumps(level.to_json(target, options, tokenizer_id)) + "\n")
+
+
+def default_store_dir() -> Path:
+    """The pipeline's default local store ($QPIPE_HOME or ~/.cache/qpipe)."""
+    from qpipe.store.local import default_home
+
+    return default_home()
+
+
+def print_level(level: LevelResult) -> None:
+    """The figures of one level, laid out like `vllm bench serve` prints them."""
+    s = level.metrics.summary()
+    table = Table(title=f"Serving benchmark: concurrency {level.profile.concurrency}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("Successful requests", s["completed"]),
+        ("Failed requests", s["failed"]),
+        ("Benchmark duration (s)", s["duration"]),
+        ("Total input tokens", s["total_input_tokens"]),
+        ("Total generated tokens", s["total_output_tokens"]),
+        ("Request throughput (req/s)", s["request_throughput"]),
+        ("Request goodput (req/s)", s["request_goodput"]),
+        ("Output token throughput (tok/s)", s["output_throughput"]),
+        ("Total token throughput (tok/s)", s["total_token_throughput"]),
+    ]
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p99"):
+            rows.append((f"{stat.capitalize()} {name.upper()} (ms)", s[f"{stat}_{name}_ms"]))
+    for name, value in rows:
+        if value is not None:
+            table.add_row(name, f"{value:.2f}" if isinstance(value, float) else str(value))
+    for reason, count in level.metrics.failed_reasons.items():
+        table.add_row(f"[red]failed: {reason}", str(count))
+    console.print(table)
+
+
+@bench_app.command()
+def history(
+    alias: Annotated[str | None, typer.Argument(help="Only this artifact alias")] = None,
+    store: StoreOption = None,
+    limit: int = 50,
+) -> None:
+    """Recorded benchmark runs, newest first."""
+    from qpipe.bench.history import History, history_path
+
+    rows = History(history_path(store or default_store_dir())).runs(alias, limit)
+    table = Table(title="bench history")
+    for column in (
+        "id",
+        "time",
+        "alias",
+        "hardware",
+        "profile",
+        "out tok/s",
+        "p99 TTFT ms",
+        "p99 TPOT ms",
+        "failed",
+        "accepted",
+    ):
+        table.add_column(column)
+    for row in rows:
+        m = row.metrics
+        table.add_row(
+            str(row.id),
+            row.created,
+            row.alias,
+            row.hardware,
+            row.profile,
+            f"{m.get('output_throughput', 0):.1f}",
+            f"{m.get('p99_ttft_ms', 0):.1f}",
+            f"{m.get('p99_tpot_ms', 0):.1f}",
+            str(m.get("failed", 0)),
+            "yes" if row.accepted else "",
+        )
+    console.print(table)
+
+
+@bench_app.command()
+def compare(
+    run: Annotated[
+        list[int] | None,
+        typer.Option(help="Run id(s) to check (default: the newest of each series)"),
+    ] = None,
+    alias: Annotated[str | None, typer.Option(help="Only this artifact alias")] = None,
+    store: StoreOption = None,
+    k: Annotated[float, typer.Option(help="Noise band = k x relative stddev of repeats")] = 3.0,
+    floor: Annotated[float, typer.Option(help="Smallest noise band (relative)")] = 0.05,
+    window: Annotated[int, typer.Option(help="Accepted runs that measure the noise")] = 5,
+    accept: Annotated[bool, typer.Option(help="Accept the runs that do not regress")] = False,
+) -> None:
+    """Flag regressions against the last accepted baseline of the same alias/hardware/profile.
+    Exits 1 when any run regressed."""
+    from qpipe.bench.history import History, history_path
+    from qpipe.bench.regression import NoiseBand
+    from qpipe.bench.regression import compare as compare_run
+
+    hist = History(history_path(store or default_store_dir()))
+    band = NoiseBand(k, floor, window)
+    if run:
+        try:
+            candidates = [hist.get(run_id) for run_id in run]
+        except KeyError as exc:
+            _fail(str(exc.args[0]))
+    else:
+        newest: dict[tuple[str, str, str], HistoryRow] = {}
+        for row in reversed(hist.runs(alias, limit=-1)):
+            newest[(row.alias, row.hardware, row.profile)] = row
+        candidates = list(newest.values())
+    if not candidates:
+        _fail(f"no benchmark runs in {hist.path}; run `qpipe bench --endpoint URL` first")
+    regressed = False
+    for row in candidates:
+        result = compare_run(hist, row, band)
+        head = f"run {row.id} [{row.alias} | {row.hardware} | {row.profile}]"
+        if result.baseline is None:
+            console.print(f"{head}: no accepted baseline yet")
+        elif result.regressed:
+            regressed = True
+            console.print(f"[red]{head}: REGRESSION vs run {result.baseline.id}")
+            for line in result.describe():
+                console.print(f"  {line}")
+        else:
+            console.print(f"[green]{head}: within noise of run {result.baseline.id}")
+        if accept and not result.regressed:
+            hist.accept(row.id)
+            console.print(f"  accepted run {row.id}")
+    if regressed:
+        raise typer.Exit(1)
+
+
+def _int(text: str, option: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {text!r} is not an integer") from exc
+    if value < 1:
+        raise ValueError(f"{option}: {value} must be >= 1")
+    return value
+
+
+def _fail(message: str) -> typer.Exit:
+    console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(2)

@@ -1,0 +1,156 @@
+"""Benchmark prompts: random token prompts of an exact length, a JSONL file, or a ShareGPT dump.
+
+Every prompt carries its token count and the output length to ask for, because the metrics need the
+input side of the token throughput and random prompts must be exactly `input_len` tokens long to be
+comparable with `vllm bench serve` runs of the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    prompt: str
+    prompt_len: int
+    output_len: int
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A Hugging Face tokenizer from a local directory (a checkpoint or qpipe artifact)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def count_tokens(tokenizer: Tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def random_prompts(
+    tokenizer: Tokenizer, num_prompts: int, input_len: int, output_len: int, seed: int = 0
+) -> list[BenchPrompt]:
+    """Prompts of random tokens that re-tokenize to exactly `input_len` tokens.
+
+    Random ids do not always survive decode→encode (merges across token boundaries), so each prompt
+    is re-encoded and trimmed or padded until its length is exact; different prompts never share a
+    prefix, so the server's prefix cache cannot flatter the numbers.
+    """
+    rng = random.Random(seed)
+    vocab = _vocab_size(tokenizer)
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    prompts = []
+    for _ in range(num_prompts):
+        ids = [_random_id(rng, vocab, special) for _ in range(input_len)]
+        for _attempt in range(10):
+            text = tokenizer.decode(ids)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) == input_len:
+                break
+            ids = ids[:input_len] + [
+                _random_id(rng, vocab, special) for _ in range(input_len - len(ids))
+            ]
+        else:
+            raise ValueError(
+                f"could not build a random prompt of exactly {input_len} tokens with this "
+                "tokenizer; use --dataset FILE.jsonl instead"
+            )
+        prompts.append(BenchPrompt(text, input_len, output_len))
+    return prompts
+
+
+def jsonl_prompts(
+    path: Path, tokenizer: Tokenizer | None, num_prompts: int, output_len: int
+) -> list[BenchPrompt]:
+    """Prompts from a JSONL file: one object per line with `prompt` (or `text`), optional
+    `output_len`. Lines are cycled when the file holds fewer than `num_prompts`."""
+    rows = []
+    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{line_no}: not valid JSON: {exc.msg}") from exc
+        text = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
+        if not isinstance(text, str):
+            raise ValueError(f'{path}:{line_no}: each line needs a "prompt" (or "text") string')
+        rows.append((text, int(row.get("output_len", output_len))))
+    if not rows:
+        raise ValueError(f"{path}: no prompts in the file")
+    return [_prompt(tokenizer, *rows[i % len(rows)]) for i in range(num_prompts)]
+
+
+def sharegpt_prompts(
+    path: Path, tokenizer: Tokenizer | None, num_prompts: int, output_len: int
+) -> list[BenchPrompt]:
+    """The first human turn of each ShareGPT conversation, asking for `output_len` tokens (a fixed
+    length keeps runs comparable; the recorded answers' lengths vary with the sample)."""
+    data = json.loads(path.read_text())
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a ShareGPT file is a JSON list of {{'conversations': [...]}}")
+    prompts = []
+    for entry in data:
+        turns = entry.get("conversations", []) if isinstance(entry, dict) else []
+        question = str(turns[0].get("value", "")) if turns else ""
+        if question:
+            prompts.append(_prompt(tokenizer, question, output_len))
+        if len(prompts) == num_prompts:
+            break
+    if not prompts:
+        raise ValueError(f"{path}: no conversation with a first turn")
+    return prompts
+
+
+def load_prompts(
+    dataset: str,
+    tokenizer: Tokenizer | None,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    seed: int = 0,
+) -> list[BenchPrompt]:
+    """`random`, a `.jsonl` file or a ShareGPT `.json` file."""
+    if dataset == "random":
+        if tokenizer is None:
+            raise ValueError(
+                "random prompts of an exact input length need the model's tokenizer: "
+                "pass --tokenizer DIR (a checkpoint or artifact directory)"
+            )
+        return random_prompts(tokenizer, num_prompts, input_len, output_len, seed)
+    path = Path(dataset)
+    if not path.is_file():
+        raise ValueError(f"--dataset {dataset!r}: not 'random' and not a file")
+    if path.suffix == ".jsonl":
+        return jsonl_prompts(path, tokenizer, num_prompts, output_len)
+    if path.suffix == ".json":
+        return sharegpt_prompts(path, tokenizer, num_prompts, output_len)
+    raise ValueError(f"--dataset {dataset!r}: use 'random', a .jsonl file or a ShareGPT .json file")
+
+
+def _prompt(tokenizer: Tokenizer | None, text: str, output_len: int) -> BenchPrompt:
+    # NOTE: without a tokenizer the input length stays 0 here and the server's usage fills it in.
+    return BenchPrompt(text, count_tokens(tokenizer, text) if tokenizer else 0, output_len)
+
+
+def _vocab_size(tokenizer: Any) -> int:
+    size = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
+    return int(size)
+
+
+def _random_id(rng: random.Random, vocab: int, special: set[int]) -> int:
+    while True:
+        token = rng.randrange(vocab)
+        if token not in special:
+            return token
