@@ -15,12 +15,6 @@ from types import TracebackType
 
 import httpx
 
-SERVE_ENTRY = (
-    "import sys, typer; from qpipe.serve.cli import serve; sys.argv[0] = 'qpipe serve'; "
-    "typer.run(serve)"
-)
-
-
 class ServerStartError(Exception):
     """The server exited or never became healthy; the message carries its log's tail."""
 
@@ -65,7 +59,7 @@ class BuiltinServer:
 
     def __enter__(self) -> BuiltinServer:
         command = [
-            sys.executable, "-c", SERVE_ENTRY, str(self.model_dir),
+            sys.executable, "-m", "qpipe", "serve", str(self.model_dir),
             "--host", "127.0.0.1", "--port", str(self.port), *server_flags(self.args),
         ]  # fmt: skip
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
