@@ -1,4 +1,4 @@
-"""Generate gsm8k-train.jsonl: grade-school math word problems in GSM8K's format (not GSM8K items).
+"""Generate math-word-problems.jsonl: grade-school math word problems in GSM8K's format (not GSM8K items).
 
 Why generated: the GSM8K train split is not reachable from this project's machines (no PyPI package
 ships it), and qpipe evaluates on the GSM8K test split, so calibrating on test items would leak the
@@ -6,7 +6,7 @@ evaluation. These problems are written from templates with every number computed
 follow GSM8K's format (one step per line, `<<expr=value>>` calculator annotations, `#### N` last),
 so they calibrate on the same kind of text without being GSM8K items.
 
-    python calibration/make_math.py            # rewrites calibration/gsm8k-train.jsonl
+    python calibration/make_math.py            # rewrites calibration/math-word-problems.jsonl
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 SEED = 20241130
 COUNT = 800
-OUT = Path(__file__).with_name("gsm8k-train.jsonl")
+OUT = Path(__file__).with_name("math-word-problems.jsonl")
 
 NAMES = [
     "Ava", "Ben", "Carla", "Diego", "Elena", "Farid", "Grace", "Hiro", "Imani", "Jonas",

@@ -113,7 +113,7 @@ def _make_math() -> object:
 
 
 def test_math_set_is_reproducible_correct_and_disjoint_from_gsm8k_test(shared_data: Path) -> None:
-    lines = (SHIPPED / "gsm8k-train.jsonl").read_text(encoding="utf-8").splitlines()
+    lines = (SHIPPED / "math-word-problems.jsonl").read_text(encoding="utf-8").splitlines()
     problems = [json.loads(line) for line in lines]
     assert len(problems) >= 600
     assert problems == _make_math().generate()  # type: ignore[attr-defined]
@@ -136,7 +136,7 @@ def test_shipped_sets_calibrate_with_the_real_tokenizer(smollm2_checkpoint: Path
     from qpipe.quant.config import CalibrationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint)
-    for name, samples in (("gsm8k-train.jsonl", 512), ("wikitext-2.txt", 512),
+    for name, samples in (("math-word-problems.jsonl", 512), ("wikitext-2.txt", 512),
                           ("chat-example.jsonl", 16)):  # fmt: skip
         config = CalibrationConfig(dataset=name, num_samples=samples, seq_len=256)
         stats = build_calibration_set(config, SHIPPED / name, tokenizer, False).stats
