@@ -13,6 +13,8 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 TEST_CACHE = Path(os.environ.get("QPIPE_TEST_CACHE", REPO / ".cache" / "test"))
 
+# NOTE: OpenMP threads that spin while waiting make CPU inference crawl when processes share the cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

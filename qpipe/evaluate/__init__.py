@@ -1,1 +1,1 @@
-"""evaluate."""
+"""Did quantization hurt? Candidate vs baseline: KLD/perplexity, lm-eval tasks, significance."""

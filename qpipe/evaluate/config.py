@@ -45,6 +45,11 @@ class TaskConfig(Section):
     def _one_data_source(self) -> TaskConfig:
         if self.data_files is not None and self.config is not None:
             raise ValueError(f"task {self.name!r}: give data_files or config, not both")
+        if self.name != "gsm8k" and self.data_files is None and self.config is None:
+            raise ValueError(
+                f"task {self.name!r}: qpipe ships data only for gsm8k; give data_files (split -> "
+                "local file) or config (your lm-eval task YAML) so nothing is downloaded"
+            )
         for split, path in (self.data_files or {}).items():
             if Path(path).suffix not in (".json", ".jsonl", ".csv", ".parquet"):
                 raise ValueError(
@@ -59,12 +64,15 @@ class EvaluateConfig(Section):
         default=None,
         description="Held-out domain text for KLD/perplexity (default: shipped wikitext-2 test).",
     )
-    max_tokens: int = Field(default=16384, gt=0, description="Tokens of held-out text to score.")
+    max_tokens: int = Field(
+        default=16384, ge=0, description="Tokens of held-out text to score (0: skip these checks)."
+    )
     window: int = Field(default=512, ge=16, description="Tokens per scored window.")
     batch_size: int = Field(default=4, gt=0, description="Windows (or lm-eval requests) per batch.")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        default="bfloat16",
-        description="Compute dtype of both models (auto: the checkpoint's own).",
+        default="auto",
+        description="Compute dtype of both models (auto: the checkpoint's own; bf16 is slow on "
+        "CPUs without native bf16).",
     )
     tasks: list[TaskConfig] = Field(default_factory=list)
     max_drop: dict[str, float] = Field(default_factory=dict)
