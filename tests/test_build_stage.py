@@ -15,8 +15,9 @@ import torch
 
 from qpipe import gpu
 from qpipe.export.alias import engine_alias
+from qpipe.export.config import BuildConfig
 from qpipe.recipe import RecipeError, parse_recipe
-from qpipe.stages.base import StageContext
+from qpipe.stages.base import NotAvailable, StageContext
 from qpipe.stages.build import BuildStage
 from qpipe.store.local import LocalStore
 
@@ -215,6 +216,20 @@ def test_key_extras_and_alias(monkeypatch: pytest.MonkeyPatch) -> None:
         recipe = parse_recipe(base + f"quantization: {quant}\ncalibration: {{dataset: d}}\n"
                               "build: {tp: 4, pp: 2}\n")  # fmt: skip
         assert engine_alias(recipe, "sm80") == f"llama3-70b-sm80-{name}-tp4-pp2"
+
+
+def test_formats_without_trtllm_layout_are_refused_at_plan_time() -> None:
+    base = "name: x\nmodel: {source: dir:x}\ncalibration: {dataset: d}\n"
+    fp8 = parse_recipe(base + "quantization: {method: fp8, activations: dynamic}\n"
+                       "build: {targets: [trtllm-checkpoint, qpipe]}\n")  # fmt: skip
+    with pytest.raises(NotAvailable, match="activations: static"):
+        BuildStage().check_available(fp8)
+    gptq8 = parse_recipe(base + "quantization: {method: gptq, bits: 8, group_size: 128}\n"
+                         "build: {targets: [trtllm-engine]}\n")  # fmt: skip
+    with pytest.raises(NotAvailable, match="per channel"):
+        BuildStage().check_available(gptq8)
+    # Without a TensorRT-LLM target the same quantization builds.
+    BuildStage().check_available(fp8.model_copy(update={"build": BuildConfig()}))
 
 
 def test_gpu_arch_detection(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from qpipe.serve.layers.linear import LINEAR_KINDS, LinearBase
+from qpipe.serve.models.llama import WeightSource
 
 ARTIFACT_MARKER = "qpipe_artifact.json"
 FORMAT_VERSION = 1
@@ -66,30 +67,46 @@ class ArtifactWeights:
         return LINEAR_KINDS[kind].from_state(state)
 
 
+class RecordingWeights:
+    """Wraps a checkpoint's `WeightSource` and keeps everything the model asked for, under the
+    names it asked with: the artifact is exactly what the engine loads, nothing more."""
+
+    def __init__(self, inner: WeightSource) -> None:
+        self.inner = inner
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.linears: dict[str, LinearBase] = {}
+
+    def has(self, name: str) -> bool:
+        return self.inner.has(name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        self.tensors[name] = self.inner.tensor(name)
+        return self.tensors[name]
+
+    def linear(self, name: str, parts: list[str]) -> LinearBase:
+        self.linears[name] = self.inner.linear(name, parts)
+        return self.linears[name]
+
+
 def write_artifact(checkpoint_dir: Path, out_dir: Path, dtype: str = "float32") -> Path:
     """Lay out `checkpoint_dir` (HF or compressed-tensors) as a qpipe artifact in `out_dir`."""
     from safetensors.torch import save_file
+    from transformers import AutoConfig
 
-    from qpipe.serve.loader import load_model, read_config_json
+    from qpipe.serve.loader import CheckpointWeights, QuantizationConfig, read_config_json
+    from qpipe.serve.models.llama import LlamaForCausalLM
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     config = read_config_json(checkpoint_dir)
-    model = load_model(checkpoint_dir, getattr(torch, dtype), "cpu", max_positions=1)
-    tensors: dict[str, torch.Tensor] = {}
-    linears: dict[str, str] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, LinearBase):
-            if name == "lm_head" and module.weight is model.embed_tokens:
-                continue  # tied: the loader rebuilds it from the embeddings
-            linears[name] = module.kind
-            for buffer, tensor in module.named_buffers():
-                tensors[f"{name}.{buffer}"] = tensor.contiguous()
-    tensors["model.embed_tokens.weight"] = model.embed_tokens.contiguous()
-    tensors["model.norm.weight"] = model.norm.weight
-    for i, layer in enumerate(model.layers):
-        prefix = f"model.layers.{i}"
-        tensors[f"{prefix}.input_layernorm.weight"] = layer.input_layernorm.weight
-        tensors[f"{prefix}.post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+    quantization = QuantizationConfig(config.get("quantization_config"))
+    weights = RecordingWeights(
+        CheckpointWeights(checkpoint_dir, quantization, getattr(torch, dtype))
+    )
+    LlamaForCausalLM(AutoConfig.from_pretrained(checkpoint_dir), weights, max_positions=1)
+    tensors = {name: t.contiguous() for name, t in weights.tensors.items()}
+    for name, layer in weights.linears.items():
+        for buffer, tensor in layer.named_buffers():
+            tensors[f"{name}.{buffer}"] = tensor.contiguous()
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out_dir / "model.safetensors")
     config.pop("quantization_config", None)
@@ -97,6 +114,7 @@ def write_artifact(checkpoint_dir: Path, out_dir: Path, dtype: str = "float32") 
     for file in TOKENIZER_FILES:
         if (checkpoint_dir / file).is_file():
             shutil.copy2(checkpoint_dir / file, out_dir / file)
+    linears = {name: layer.kind for name, layer in weights.linears.items()}
     marker = {"format_version": FORMAT_VERSION, "dtype": dtype, "linears": linears}
     (out_dir / ARTIFACT_MARKER).write_text(json.dumps(marker, indent=2))
     return out_dir

@@ -1,4 +1,5 @@
-"""The engine's one configuration object: what to load, where, and how much room the KV cache gets."""
+"""The engine's one configuration object: what to load, where, and how much room the KV cache
+gets."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
             raise ValueError(
-                f"EngineConfig.model: {self.model!r} is not a directory; pass a checkpoint or qpipe "
-                "artifact directory (config.json + *.safetensors + tokenizer files)"
+                f"EngineConfig.model: {self.model!r} is not a directory; pass a checkpoint or "
+                "qpipe artifact directory (config.json + *.safetensors + tokenizer files)"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")

@@ -1,7 +1,7 @@
 """The engine loop: schedule -> run the model -> postprocess, one step at a time.
 
-`LLMEngine` is synchronous and single-threaded on purpose: the HTTP layer drives `step()` from its own
-loop and feeds requests in between steps, so the core never needs locks.
+`LLMEngine` is synchronous and single-threaded on purpose: the HTTP layer drives `step()` from its
+own loop and feeds requests in between steps, so the core never needs locks.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot for /metrics. Prefix-cache counters are cumulative and counted in tokens, like vLLM."""
+    """A snapshot for /metrics. Prefix-cache counters are cumulative, in tokens, like vLLM's."""
 
     num_running: int
     num_waiting: int

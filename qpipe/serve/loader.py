@@ -127,7 +127,7 @@ class CheckpointWeights:
         return WeightOnlyLinear(weight, scale, zero, bias)
 
     def _part(self, part: str, scheme: LayerScheme) -> dict[str, torch.Tensor | None]:
-        """One checkpoint linear as {weight, weight_scale [out, groups], weight_zero_point, bias}."""
+        """One checkpoint linear as weight, weight_scale [out, groups], weight_zero_point?, bias."""
         bias = self._raw(f"{part}.bias")
         if scheme.format == "dense":
             return {"weight": self.tensor(f"{part}.weight"), "bias": bias}

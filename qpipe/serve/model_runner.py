@@ -66,7 +66,8 @@ class ModelRunner:
             self.head_dim, dtype=self.dtype, device=self.device,
         )  # fmt: skip
         log.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB); max concurrency at max_model_len %d: %.1f",
+            "KV cache: %d blocks of %d tokens (%.2f GiB); max concurrency at max_model_len %d: "
+            "%.1f",
             self.num_kv_blocks, self.block_size, self.kv_cache.nbytes / GIB, self.max_model_len,
             capacity / self.max_model_len,
         )  # fmt: skip
@@ -133,7 +134,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[str, tuple[int, dict[int, float] | None]]:
-        """Sampled (token, logprobs) per request id, for the sequences whose chunk ends the prompt."""
+        """Sampled (token, logprobs) per request id, for sequences whose chunk ends their tokens."""
         decodes = [item for item in batch.items if item.num_new_tokens == 1]
         prefills = [item for item in batch.items if item.num_new_tokens > 1]
         ordered = decodes + prefills

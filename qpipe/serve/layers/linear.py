@@ -67,9 +67,12 @@ class Int8Linear(LinearBase):
         shape = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).float()
         q, scale = quantize_per_token_int8(x2)
+        rows = q.shape[0]
+        if q.is_cuda and rows <= 16:  # cuBLAS int8 GEMM needs M > 16
+            q = F.pad(q, (0, 0, 0, 17 - rows))
         # NOTE: `_int_mm` gets the [in, out] operand as a transposed view of the row-major
         # [out, in] weight: measured ~1.5x faster on this CPU than a contiguous [in, out] copy.
-        y = torch._int_mm(q, self.weight.t()).float().mul_(scale).mul_(self.weight_scale)
+        y = torch._int_mm(q, self.weight.t())[:rows].float().mul_(scale).mul_(self.weight_scale)
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype).reshape(*shape, -1)
