@@ -71,7 +71,9 @@ def _open_store(
     config = recipe.store if recipe is not None else None
     try:
         if location is not None or config is None:  # --store replaces the recipe's store
-            endpoint = config.endpoint_url if config and (location or "").startswith("s3://") else None
+            endpoint = (
+                config.endpoint_url if config and (location or "").startswith("s3://") else None
+            )
             return open_store(location, endpoint_url=endpoint)
         local_cache = config.local_cache
         if local_cache is not None and recipe_dir is not None:
@@ -342,7 +344,7 @@ def cache_gc(
         typer.Option("--keep-recipe", help="Also delete entries these recipes do not use."),
     ] = None,
 ) -> None:
-    """Remove abandoned temp dirs and quarantined entries (and unused entries with --keep-recipe)."""
+    """Remove abandoned temp dirs and quarantined entries (and, with --keep-recipe, unused ones)."""
     opened = _open_store(store)
     keep = None
     if keep_recipe:

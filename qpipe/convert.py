@@ -1,8 +1,8 @@
-"""Turning a model source (GGUF file, package file, HF directory, HF cache id) into a safetensors checkpoint.
+"""A model source (GGUF file, package file, HF directory, HF cache id) → a safetensors checkpoint.
 
 transformers does the reading (including GGUF dequantization); qpipe's part is resolving where the
-source is, refusing unsafe pickles unless asked, and proving the written checkpoint computes the same
-logits as the source before anything downstream trusts it.
+source is, refusing unsafe pickles unless asked, and proving the written checkpoint computes the
+same logits as the source before anything downstream trusts it.
 """
 
 from __future__ import annotations
@@ -102,8 +102,9 @@ def _hf_dir(path: Path, allow_pickle: bool) -> ResolvedSource:
             raise SourceError(f"{path} has no *.safetensors (or *.bin) weights")
         if not allow_pickle:
             raise SourceError(
-                f"{path} has only pickle weights ({pickles[0].name}); loading them can run code from "
-                "the file. Convert them to safetensors elsewhere, or set model.allow_pickle: true"
+                f"{path} has only pickle weights ({pickles[0].name}); loading them can run code "
+                "from the file. Convert them to safetensors elsewhere, or set "
+                "model.allow_pickle: true"
             )
         log.warning("loading pickle weights from %s (model.allow_pickle is set)", path)
         weights = pickles
@@ -171,8 +172,8 @@ def _verification_inputs(tokenizer: object, prompts: list[str]) -> list[list[int
 def _align_special_tokens(tokenizer: object, config: object) -> None:
     """Take EOS/PAD from the model config, which transformers reads correctly from GGUF metadata.
 
-    transformers 5.17's GGUF tokenizer conversion gives SmolLM2 `<|im_start|>` as EOS (the config says
-    `<|im_end|>`, id 2); a server or generate() stopping on the wrong token never stops.
+    transformers 5.17's GGUF tokenizer conversion gives SmolLM2 `<|im_start|>` as EOS (the config
+    says `<|im_end|>`, id 2); a server or generate() stopping on the wrong token never stops.
     """
     for role in ("eos", "pad"):
         token_id = getattr(config, f"{role}_token_id", None)
@@ -186,7 +187,7 @@ def convert_to_dir(
     dtype: str,
     prompts: tuple[str, ...] = ("The capital of France is", "def fibonacci(n):"),
 ) -> ConversionReport:
-    """Write `source` as a safetensors checkpoint in `dtype` and verify its logits against the source."""
+    """Write `source` as a safetensors checkpoint in `dtype`; verify its logits match the source."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 

@@ -182,7 +182,7 @@ def gpu_memory(gpu: str) -> tuple[str, float]:
 
 
 def load_shape(path: Path) -> ModelShape:
-    """From a config.json, a checkpoint directory, or a recipe (its converted checkpoint's config)."""
+    """From a config.json or a checkpoint directory holding one."""
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():

@@ -186,7 +186,7 @@ def _describe(error: dict[str, Any], root: yaml.Node | None) -> tuple[int | None
 
 
 def _duplicate_keys(node: yaml.Node | None, source: str, path: str = "") -> list[str]:
-    """YAML keeps the last of two equal keys silently; in a hand-edited recipe that hides a mistake."""
+    """YAML keeps the last of two equal keys silently; in a hand-edited recipe that hides a bug."""
     problems: list[str] = []
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()

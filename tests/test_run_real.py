@@ -1,4 +1,4 @@
-"""`qpipe run` / `plan` / `cache` as a user runs them, on the real SmolLM2 model, in real processes."""
+"""`qpipe run` / `plan` / `cache` as a user runs them, on the real SmolLM2, in real processes."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The one interface every pipeline stage implements.
 
-A stage is a pure function of declared inputs to a directory: the pipeline computes its key from what
-it declares here, skips it when the store has that key, and otherwise runs it into an empty temporary
-directory that the store commits atomically. Stages never write to the store themselves.
+A stage is a pure function of declared inputs to a directory: the pipeline computes its key from
+what it declares here, skips it when the store has that key, and otherwise runs it into an empty
+temporary directory that the store commits atomically. Stages never write to the store themselves.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ MetricValue = float | int | str | bool | None
 
 
 class NotAvailable(Exception):
-    """A stage or method that qpipe does not implement (yet): the run stops, never skips silently."""
+    """A stage or method qpipe does not implement (yet): the run stops, never skips silently."""
 
     def __init__(self, what: str, hint: str = ""):
         self.what = what
@@ -87,7 +87,7 @@ class Stage(ABC):
         """Anything else the output depends on (e.g. GPU arch for engines)."""
         return {}
 
-    def check_available(self, recipe: Recipe) -> None:
+    def check_available(self, recipe: Recipe) -> None:  # noqa: B027 - optional hook
         """Raise NotAvailable before anything runs if this recipe asks for what is not built."""
 
     @abstractmethod

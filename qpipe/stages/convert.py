@@ -1,4 +1,4 @@
-"""convert: model source → safetensors checkpoint in the recipe's dtype, verified against the source."""
+"""convert: model source → safetensors checkpoint in the recipe's dtype, verified against it."""
 
 from __future__ import annotations
 
