@@ -1,0 +1,80 @@
+"""Offline engine throughput: closed loop at a fixed concurrency, 128-token prompts, 64 output
+tokens, greedy (issue 6's load shape). Not a test: numbers depend on what else runs on the machine.
+
+    .venv/bin/python bench/serve_engine/throughput.py CHECKPOINT_OR_ARTIFACT [--concurrency 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from qpipe.serve.config import EngineConfig
+from qpipe.serve.engine import LLMEngine
+from qpipe.serve.sampling_params import SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=0, help="default: 2 x concurrency")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    engine = LLMEngine(EngineConfig(model=args.model, kv_cache_memory_gib=1.0))
+    vocab = len(engine.tokenizer)
+    gen = torch.Generator().manual_seed(0)
+    total = args.requests or 2 * args.concurrency
+    prompts = [
+        torch.randint(100, vocab - 100, (args.prompt_len,), generator=gen).tolist()
+        for _ in range(total)
+    ]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    added: dict[str, float] = {}
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    next_prompt = 0
+    steps = 0
+    profiler = torch.profiler.profile() if args.profile else None
+    start = time.perf_counter()
+    cpu_start = time.process_time()
+    if profiler:
+        profiler.start()
+    while len(done) < total:
+        while next_prompt < total and len(added) - len(done) < args.concurrency:
+            request_id = str(next_prompt)
+            engine.add_request(request_id, prompts[next_prompt], params)
+            added[request_id] = time.perf_counter()
+            next_prompt += 1
+        outputs = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for out in outputs:
+            first.setdefault(out.request_id, now)
+            if out.finished:
+                done[out.request_id] = now
+    elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu_start
+    if profiler:
+        profiler.stop()
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    ttft = sorted(first[r] - added[r] for r in added)
+    tpot = [(done[r] - first[r]) / (args.output_len - 1) for r in added]
+    print(
+        f"concurrency {args.concurrency}, {total} requests, {steps} steps, "
+        f"{torch.get_num_threads()} threads: {total * args.output_len / elapsed:.1f} output tok/s, "
+        f"TTFT p50 {statistics.median(ttft):.2f}s p99 {ttft[int(0.99 * (len(ttft) - 1))]:.2f}s, "
+        f"TPOT p50 {statistics.median(tpot) * 1e3:.0f}ms, {elapsed:.1f}s wall, {cpu:.1f}s CPU"
+    )
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks, stats
+
+
+if __name__ == "__main__":
+    main()

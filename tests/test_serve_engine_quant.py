@@ -1,0 +1,105 @@
+"""Quantized serving: llm-compressor's int8 W8A8 and int4 W4A16 (group 64) checkpoints of SmolLM2
+load into the engine and agree with transformers' own load of the same compressed checkpoint; the
+qpipe artifact built from one serves the same tokens as the checkpoint itself."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from qpipe.serve.artifact import ARTIFACT_MARKER, write_artifact
+from qpipe.serve.config import EngineConfig
+from qpipe.serve.engine import LLMEngine
+from qpipe.serve.sampling_params import SamplingParams
+from tests.conftest import TEST_CACHE
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "The three primary colors are",
+]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def compressed_checkpoint(source: Path, scheme: str) -> Path:
+    """Data-free llm-compressor quantization (RTN weights; W8A8's activations are dynamic)."""
+    out = TEST_CACHE / f"smollm2-{scheme.lower()}-ct"
+    if (out / "model.safetensors").exists():
+        return out
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    if scheme == "W4A16":  # SmolLM2's 576 hidden size is not a multiple of the usual 128 group
+        weights = QuantizationArgs(num_bits=4, strategy="group", group_size=64, symmetric=True)
+        groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
+        recipe = QuantizationModifier(config_groups=groups, ignore=["lm_head"])
+    else:
+        recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+    oneshot(model=model, recipe=recipe)
+    tmp = out.with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, save_compressed=True)
+    AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def teacher_forced_agreement(checkpoint: Path, prompts: list[list[int]], outs: list[list[int]]):
+    """Share of engine tokens that transformers' load of the same checkpoint also ranks first,
+    given the same history (a divergence does not compound), and the first-token matches."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    agree = total = first = 0
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, outs, strict=True):
+            logits = model(torch.tensor([prompt + out])).logits[0]
+            predicted = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+            agree += sum(p == o for p, o in zip(predicted, out, strict=True))
+            total += len(out)
+            first += predicted[0] == out[0]
+    return agree / total, first
+
+
+@pytest.mark.parametrize("scheme", ["W8A8", "W4A16"])
+def test_compressed_checkpoint_agrees_with_transformers(smollm2_checkpoint: Path, scheme: str):
+    checkpoint = compressed_checkpoint(smollm2_checkpoint, scheme)
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), kv_cache_memory_gib=0.05))
+    kinds = {type(layer.qkv_proj).__name__ for layer in engine.model_runner.model.layers}
+    assert kinds == {"Int8Linear" if scheme == "W8A8" else "WeightOnlyLinear"}
+    prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
+    outs = engine.generate(prompts, GREEDY)
+    agreement, first = teacher_forced_agreement(checkpoint, prompts, outs)
+    # Measured: W8A8 0.94, W4A16 1.0. Int8 GEMMs differ from transformers' fake-quantized fp32 in
+    # the last bits, which can flip a rounding of the next layer's activation quantization.
+    assert first == len(PROMPTS)
+    print(f"{scheme}: teacher-forced top-1 agreement {agreement:.3f}")
+    assert agreement >= 0.9
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_artifact_serves_the_same_tokens_as_its_checkpoint(
+    smollm2_checkpoint: Path, tmp_path: Path
+) -> None:
+    checkpoint = compressed_checkpoint(smollm2_checkpoint, "W8A8")
+    artifact = write_artifact(checkpoint, tmp_path / "artifact")
+    marker = json.loads((artifact / ARTIFACT_MARKER).read_text())
+    assert marker["linears"]["model.layers.0.self_attn.qkv_proj"] == "int8_w8a8"
+    assert "quantization_config" not in json.loads((artifact / "config.json").read_text())
+    outs = {}
+    for path in (checkpoint, artifact):
+        engine = LLMEngine(EngineConfig(model=str(path), kv_cache_memory_gib=0.05))
+        prompts = [engine.tokenizer(p).input_ids for p in PROMPTS[2:]]
+        outs[path] = engine.generate(prompts, GREEDY)
+    assert outs[artifact] == outs[checkpoint]
