@@ -264,9 +264,12 @@ class Pipeline:
                     "failures": list(result.gate.failures),
                     "checked": dict(result.gate.checked),
                 }
-            return self.store.commit(
+            meta = self.store.commit(
                 planned.key, stage.name, out_dir, dict(result.metrics), gate, planned.key_inputs
             )
+        for alias, info in result.aliases.items():
+            self.store.set_alias(alias, planned.key, {"stage": stage.name, **info})
+        return meta
 
 
 def gate_failures(planned: list[PlannedStage]) -> list[str]:

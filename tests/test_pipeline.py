@@ -192,3 +192,17 @@ def test_failed_gate_is_cached_and_still_fails(setup) -> None:  # type: ignore[n
 def test_stage_order_is_the_documented_one() -> None:
     assert STAGE_ORDER == ("convert", "calibrate", "quantize", "build", "evaluate", "bench",
                            "publish")  # fmt: skip
+
+
+def test_aliases_a_stage_returns_point_at_its_entry(setup) -> None:  # type: ignore[no-untyped-def]
+    pipeline, stages, store, _ = setup
+
+    class AliasingBuild(FakeStage):
+        def run(self, ctx: StageContext) -> StageResult:
+            result = super().run(ctx)
+            return StageResult(result.metrics, aliases={"fake-sm90-int8-tp1": {"arch": "sm90"}})
+
+    stages["build"] = AliasingBuild("build", NEEDS["build"])
+    planned = pipeline().run()
+    record = store.resolve_alias("fake-sm90-int8-tp1")
+    assert record == {"key": planned[3].key, "stage": "build", "arch": "sm90"}

@@ -9,17 +9,29 @@ from typing import Annotated
 import typer
 
 
-def resolve_model_path(arg: str) -> Path:
-    """Where the weights to serve live. Today: a checkpoint or qpipe artifact directory.
-    The hook where store keys and engine aliases (`{model}-{arch}-{quant}-tp{N}`) will resolve."""
+def resolve_model_path(arg: str, store: str | None = None) -> Path:
+    """Where the weights to serve live: a checkpoint/artifact directory, or an engine alias
+    (`{model}-{arch}-{quant}-tp{N}`) in the store, whose build entry's `qpipe/` artifact is served."""
     path = Path(arg).expanduser()
-    if not path.is_dir():
-        raise typer.BadParameter(
-            f"{arg!r} is not a directory; pass a checkpoint or artifact directory "
-            "(config.json + *.safetensors + tokenizer files)",
-            param_hint="MODEL",
-        )
-    return path
+    if path.is_dir():
+        return path
+    from qpipe.store.base import StoreError
+    from qpipe.store.factory import open_store
+
+    try:
+        opened = open_store(store)
+        record = opened.resolve_alias(arg)
+        if record is None:
+            raise typer.BadParameter(
+                f"{arg!r} is neither a directory nor an alias in {opened.location}; pass a "
+                "checkpoint or artifact directory, or an alias from `qpipe cache ls`",
+                param_hint="MODEL",
+            )
+        entry = opened.open(record["key"])
+    except StoreError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--store") from exc
+    artifact = entry / "qpipe"
+    return artifact if artifact.is_dir() else entry
 
 
 def serve(
@@ -56,6 +68,9 @@ def serve(
     drain_timeout: Annotated[
         int, typer.Option(help="Seconds shutdown waits for running requests.", min=0)
     ] = 30,
+    store: Annotated[
+        str | None, typer.Option(help="Store that resolves an alias (default: $QPIPE_HOME).")
+    ] = None,
 ) -> None:
     """Serve a checkpoint with qpipe's paged-attention engine (OpenAI-compatible API)."""
     import uvicorn
@@ -68,8 +83,8 @@ def serve(
     from qpipe.serve.engine import LLMEngine
     from qpipe.serve.metrics import ServerMetrics
 
-    path = resolve_model_path(model)
-    name = served_model_name or path.name
+    path = resolve_model_path(model, store)
+    name = served_model_name or (model if path.name == "qpipe" else path.name)
     console = Console(stderr=True)
     # the engine logs its KV-cache size (blocks, max concurrency at max_model_len) at INFO
     logging.basicConfig(

@@ -46,6 +46,8 @@ class GateVerdict:
 class StageResult:
     metrics: Mapping[str, MetricValue] = field(default_factory=dict)
     gate: GateVerdict | None = None
+    # Human names for the committed entry (e.g. engine aliases), with what each record says.
+    aliases: Mapping[str, Mapping[str, MetricValue]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
