@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
+from qpipe.serve import ARTIFACT_FORMAT_VERSION as FORMAT_VERSION
 from qpipe.serve.layers.linear import LINEAR_KINDS, LinearBase
 from qpipe.serve.models.llama import WeightSource
 
 ARTIFACT_MARKER = "qpipe_artifact.json"
-FORMAT_VERSION = 1
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
     "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt",

@@ -1,0 +1,344 @@
+"""Write a TensorRT-LLM checkpoint (config.json + rank{N}.safetensors) for a Llama-family model.
+
+The source is qpipe's quantized checkpoint (compressed-tensors, or plain 16-bit for method none),
+so the engine gets exactly the integers and scales that qpipe evaluated. Names, fusion and
+sharding follow TensorRT-LLM's documented format (docs/source/architecture/checkpoint.md) and its
+Llama converter (tensorrt_llm/models/llama/convert.py, tensorrt_llm/models/convert_utils.py):
+
+    transformer.vocab_embedding.weight     split over vocab (dim 0) when tp > 1
+    transformer.layers.{i}.input_layernorm.weight, .post_layernorm.weight
+    transformer.layers.{i}.attention.qkv   q, k, v each split by heads per rank, then concatenated
+                                           (k/v heads repeated when kv_heads < tp)
+    transformer.layers.{i}.attention.dense o_proj, split on input features (row parallel)
+    transformer.layers.{i}.mlp.fc          gate_proj (!), split on output features
+    transformer.layers.{i}.mlp.gate        up_proj (!), split on output features
+    transformer.layers.{i}.mlp.proj        down_proj, split on input features (row parallel)
+    transformer.ln_f.weight, lm_head.weight (split over vocab, padded to a multiple of tp)
+
+Layers are numbered per pipeline stage (rank = pp_rank * tp + tp_rank); the embedding lives on the
+first stage, ln_f and lm_head on the last. Per-algorithm tensors: see qpipe/export/trtllm_quant.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qpipe.export.quantized_checkpoint import (
+    CheckpointFormatError,
+    QuantizedCheckpoint,
+    QuantizedLinear,
+    concat_rows,
+)
+from qpipe.export.trtllm_quant import (
+    SQ_PER_TOKEN,
+    QuantLayout,
+    check_groupwise_shape,
+    choose_layout,
+    linear_tensors,
+)
+
+ARCHITECTURES = ("LlamaForCausalLM",)
+# TensorRT-LLM linear -> the HF linears it holds (fused in order).
+LINEARS: dict[str, tuple[str, ...]] = {
+    "attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attention.dense": ("self_attn.o_proj",),
+    "mlp.fc": ("mlp.gate_proj",),
+    "mlp.gate": ("mlp.up_proj",),
+    "mlp.proj": ("mlp.down_proj",),
+}
+ROW_PARALLEL = ("attention.dense", "mlp.proj")
+
+
+class ParallelismError(CheckpointFormatError):
+    """tp/pp sizes the model's shape cannot be split into."""
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> LlamaShape:
+        archs = config.get("architectures") or []
+        if not any(a in ARCHITECTURES for a in archs):
+            raise CheckpointFormatError(
+                f"architectures {archs} is not Llama-family; the TensorRT-LLM checkpoint writer "
+                f"supports {', '.join(ARCHITECTURES)}"
+            )
+        heads = config["num_attention_heads"]
+        return cls(
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            vocab_size=config["vocab_size"],
+        )
+
+    def check_parallel(self, tp: int, pp: int) -> None:
+        if self.num_heads % tp:
+            raise ParallelismError(
+                f"tp={tp} does not divide the model's {self.num_heads} attention heads; "
+                f"use build.tp in {{{_divisors(self.num_heads)}}}"
+            )
+        kv = self.num_kv_heads
+        if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+            raise ParallelismError(
+                f"tp={tp} cannot share the model's {kv} key/value heads (each rank needs whole "
+                f"heads); use a tp that divides {kv} or is a multiple of it"
+            )
+        if self.intermediate_size % tp:
+            raise ParallelismError(
+                f"tp={tp} does not divide intermediate_size {self.intermediate_size}"
+            )
+        if self.num_layers % pp:
+            raise ParallelismError(
+                f"pp={pp} does not divide the model's {self.num_layers} layers; "
+                f"use build.pp in {{{_divisors(self.num_layers)}}}"
+            )
+
+    def qkv_rows(self, tp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row indices of this rank's q and of its k (= v) heads."""
+        q_per_rank = self.num_heads // tp
+        if self.num_kv_heads >= tp:
+            per_rank = self.num_kv_heads // tp
+            kv_heads = range(rank * per_rank, (rank + 1) * per_rank)
+        else:  # replicated: tp / kv ranks share each kv head
+            shared = rank // (tp // self.num_kv_heads)
+            kv_heads = range(shared, shared + 1)
+        q_heads = range(rank * q_per_rank, (rank + 1) * q_per_rank)
+        return self._head_rows(q_heads), self._head_rows(kv_heads)
+
+    def _head_rows(self, heads: range) -> torch.Tensor:
+        return torch.cat([torch.arange(h * self.head_dim, (h + 1) * self.head_dim) for h in heads])
+
+
+def _shard_rows(tensor: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """Vocab-parallel split (zero rows pad the vocab to a multiple of tp)."""
+    pad = -tensor.shape[0] % tp
+    if pad:
+        tensor = torch.nn.functional.pad(tensor, (0, 0, 0, pad))
+    # NOTE: clone, or safetensors refuses views sharing storage (tied embedding and lm_head).
+    return tensor.chunk(tp, dim=0)[rank].clone()
+
+
+def shard_linear(
+    tllm: str, parts: list[QuantizedLinear], shape: LlamaShape, tp: int, rank: int
+) -> QuantizedLinear:
+    if tllm == "attention.qkv":
+        q_rows, kv_rows = shape.qkv_rows(tp, rank)
+        q, k, v = parts
+        return concat_rows([q.rows(q_rows), k.rows(kv_rows), v.rows(kv_rows)])
+    (linear,) = parts
+    if tllm in ROW_PARALLEL:
+        size = linear.in_features // tp
+        return linear.columns(rank * size, (rank + 1) * size)
+    size = linear.out_features // tp
+    return linear.rows(torch.arange(rank * size, (rank + 1) * size))
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(config.get("rope_theta") or params.pop("rope_theta", 10000.0))
+    params.pop("rope_theta", None)
+    kind = params.pop("rope_type", None) or params.pop("type", None)
+    if kind in (None, "default"):
+        return theta, None
+    return theta, {"type": kind, **params}
+
+
+def checkpoint_config(
+    config: dict[str, Any], shape: LlamaShape, dtype: str, tp: int, pp: int,
+    quantization: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    rotary_base, rotary_scaling = _rope(config)
+    return {
+        "architecture": "LlamaForCausalLM",
+        "dtype": dtype,
+        "logits_dtype": "float32",
+        "vocab_size": shape.vocab_size,
+        "max_position_embeddings": config.get("max_position_embeddings"),
+        "hidden_size": shape.hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_size": shape.head_dim,
+        "intermediate_size": shape.intermediate_size,
+        "hidden_act": config.get("hidden_act", "silu"),
+        "norm_epsilon": config.get("rms_norm_eps", 1e-5),
+        "position_embedding_type": "rope_gpt_neox",
+        "rotary_base": rotary_base,
+        "rotary_scaling": rotary_scaling,
+        "use_parallel_embedding": tp > 1,
+        "embedding_sharding_dim": 0,
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "mlp_bias": False,
+        "attn_bias": False,
+        "mapping": {"world_size": tp * pp, "tp_size": tp, "pp_size": pp},
+        "quantization": quantization,
+    }
+
+
+@dataclass(frozen=True)
+class TrtllmCheckpoint:
+    path: Path
+    config: dict[str, Any]
+
+    @property
+    def quant_algo(self) -> str | None:
+        return self.config["quantization"]["quant_algo"]
+
+    @property
+    def rank_files(self) -> list[Path]:
+        world = self.config["mapping"]["world_size"]
+        return [self.path / f"rank{r}.safetensors" for r in range(world)]
+
+
+class _Writer:
+    def __init__(self, src: QuantizedCheckpoint, shape: LlamaShape, dtype: torch.dtype, tp: int):
+        self.src, self.shape, self.dtype, self.tp = src, shape, dtype, tp
+        self.layout = self._find_layout()
+        self.excluded: list[str] = []
+
+    def _find_layout(self) -> QuantLayout:
+        """The algorithm of the first layer with quantized linears (16-bit layers are excluded)."""
+        for layer in range(self.shape.num_layers):
+            flat = [lin for parts in self.layer_linears(layer).values() for lin in parts]
+            layout = choose_layout(flat, self.src.kv_cache_type)
+            if layout.quant_algo is not None:
+                return layout
+        return layout
+
+    def layer_linears(self, layer: int) -> dict[str, list[QuantizedLinear]]:
+        prefix = f"model.layers.{layer}"
+        return {
+            tllm: [self.src.linear(f"{prefix}.{hf}") for hf in hf_names]
+            for tllm, hf_names in LINEARS.items()
+        }
+
+    def layer_tensors(self, layer: int, local: int) -> list[dict[str, torch.Tensor]]:
+        linears = self.layer_linears(layer)
+        flat = [lin for parts in linears.values() for lin in parts]
+        layout = choose_layout(flat, self.src.kv_cache_type)
+        if layout.quant_algo is not None and (
+            layout.quant_algo != self.layout.quant_algo
+            or layout.group_size != self.layout.group_size
+            or layout.has_zero_point > self.layout.has_zero_point
+        ):
+            raise CheckpointFormatError(
+                f"layer {layer} is quantized as {layout.quant_algo}, earlier layers as "
+                f"{self.layout.quant_algo}; a TensorRT-LLM checkpoint holds one algorithm"
+            )
+        name = f"transformer.layers.{local}"
+        norms = {
+            f"{name}.input_layernorm.weight": self._dense(f"model.layers.{layer}.input_layernorm"),
+            f"{name}.post_layernorm.weight": self._dense(
+                f"model.layers.{layer}.post_attention_layernorm"
+            ),
+        }
+        ranks = []
+        for rank in range(self.tp):
+            tensors = dict(norms)
+            for tllm, parts in linears.items():
+                if parts[0].kind == "dense" and self.layout.quant_algo is not None:
+                    self._exclude(f"transformer.layers.{layer}.{tllm}")
+                if rank == 0 and self.layout.quant_algo == "W4A16_AWQ":
+                    out_features = sum(p.out_features for p in parts)
+                    check_groupwise_shape(
+                        f"{name}.{tllm}", parts[0].in_features, out_features,
+                        self.layout.group_size, self.tp,
+                    )  # fmt: skip
+                sharded = shard_linear(tllm, parts, self.shape, self.tp, rank)
+                tensors.update(
+                    linear_tensors(
+                        f"{name}.{tllm}", sharded, self.layout, self.dtype, tllm in ROW_PARALLEL
+                    )
+                )
+            tensors.update(self._activation_quantizers(name))
+            if self.layout.kv_cache_quant_algo is not None:
+                kv_scale = self.src.kv_cache_scale(layer)
+                tensors[f"{name}.attention.kv_cache_scaling_factor"] = kv_scale
+            ranks.append(tensors)
+        return ranks
+
+    def _activation_quantizers(self, name: str) -> dict[str, torch.Tensor]:
+        """The SmoothQuant plugin quantizes each token in the layer norms (scale 1.0)."""
+        if self.layout.quant_algo != SQ_PER_TOKEN:
+            return {}
+        return {
+            f"{name}.input_layernorm.scale_to_int": torch.ones(1, dtype=torch.float32),
+            f"{name}.post_layernorm.scale_to_int": torch.ones(1, dtype=torch.float32),
+        }
+
+    def _exclude(self, module: str) -> None:
+        if module not in self.excluded:
+            self.excluded.append(module)
+
+    def _dense(self, prefix: str) -> torch.Tensor:
+        return self.src.tensor(f"{prefix}.weight").to(self.dtype).contiguous()
+
+    def embedding(self, rank: int) -> torch.Tensor:
+        table = self._dense("model.embed_tokens")
+        return _shard_rows(table, self.tp, rank) if self.tp > 1 else table.clone()
+
+    def lm_head(self, rank: int) -> torch.Tensor:
+        if self.src.has("lm_head.weight") or self.src.has("lm_head.weight_packed"):
+            weight = self.src.linear("lm_head").dequantize().to(self.dtype)
+        else:  # tied embeddings
+            weight = self._dense("model.embed_tokens")
+        return _shard_rows(weight, self.tp, rank)
+
+
+def write_trtllm_checkpoint(
+    src: Path, out: Path, tp: int = 1, pp: int = 1, dtype: str | None = None
+) -> TrtllmCheckpoint:
+    """Write `out`/config.json and rank{N}.safetensors from the checkpoint at `src`."""
+    from rich.progress import Progress
+    from safetensors.torch import save_file
+
+    checkpoint = QuantizedCheckpoint(src)
+    shape = LlamaShape.from_config(checkpoint.config)
+    shape.check_parallel(tp, pp)
+    dtype_name = dtype or checkpoint.dtype
+    writer = _Writer(checkpoint, shape, getattr(torch, dtype_name), tp)
+    per_stage = shape.num_layers // pp
+    out.mkdir(parents=True, exist_ok=True)
+    with Progress(transient=True) as progress:
+        task = progress.add_task("TensorRT-LLM checkpoint", total=shape.num_layers)
+        for stage in range(pp):
+            ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+            for local in range(per_stage):
+                layer = stage * per_stage + local
+                for rank, tensors in enumerate(writer.layer_tensors(layer, local)):
+                    ranks[rank].update(tensors)
+                progress.advance(task)
+            for rank, tensors in enumerate(ranks):
+                if stage == 0:
+                    tensors["transformer.vocab_embedding.weight"] = writer.embedding(rank)
+                if stage == pp - 1:
+                    tensors["transformer.ln_f.weight"] = writer._dense("model.norm")
+                    tensors["lm_head.weight"] = writer.lm_head(rank)
+                save_file(tensors, out / f"rank{stage * tp + rank}.safetensors")
+    layout = writer.layout
+    excluded = (["lm_head"] if layout.quant_algo else []) + writer.excluded
+    config = checkpoint_config(
+        checkpoint.config, shape, dtype_name, tp, pp, layout.to_config(excluded)
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return TrtllmCheckpoint(out, config)
