@@ -22,7 +22,7 @@ run: $(STAMP)
 	$(BIN)/qpipe run $(RECIPE)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check qpipe tests bench

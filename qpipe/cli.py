@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from datetime import UTC, datetime
@@ -208,7 +209,9 @@ def run(
     for name in force or ():
         _check_stage_name(name)
     try:
-        planned = pipeline.run(until=until, force=tuple(force or ()), on_event=_stage_event)
+        # NOTE: stdout is for the result (table or --json); stages' progress and logs go to stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            planned = pipeline.run(until=until, force=tuple(force or ()), on_event=_stage_event)
     except (StageError, StoreError) as exc:
         raise _fail(str(exc)) from exc
     record = manifest(loaded, recipe, planned, pipeline.store)

@@ -104,9 +104,11 @@ def test_all_targets_without_engine_toolchain(
         "none",
         1,
         "int8",
-        "tiny-llama-none-int8-tp1",
+        "tiny-llama-cpu-int8-tp1",
     )
     assert result.metrics["alias"] == info["alias"]
+    built = result.aliases[info["alias"]]["targets"]  # the alias lists only what was built
+    assert "trtllm-checkpoint" in built and "trtllm-engine" not in built
     assert result.metrics["compressed-tensors_mib"] > 0
     # qpipe target: the built-in server's artifact.
     assert json.loads((out / "qpipe" / "qpipe_artifact.json").read_text())["format_version"] == 1

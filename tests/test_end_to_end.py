@@ -57,8 +57,11 @@ def test_default_recipe_runs_every_stage_then_nothing(tmp_path: Path) -> None:
     assert (build / "trtllm-checkpoint" / "rank0.safetensors").is_file()
     report = json.loads((Path(stages["evaluate"]["path"]) / "report.json").read_text())
     assert "kld_mean" in json.dumps(report)
-    bench = json.loads((Path(stages["bench"]["path"]) / "results.json").read_text())
-    assert "output_throughput" in json.dumps(bench)
+    bench = json.loads((Path(stages["bench"]["path"]) / "summary.json").read_text())
+    assert bench["alias"] == "smollm2-135m-cpu-int8-tp1"  # the build's engine alias
+    (profile,) = bench["profiles"].values()
+    assert profile["completed"] == 8 and profile["failed"] == 0
+    assert profile["total_output_tokens"] == 8 * 16
 
     shown = subprocess.run(
         [sys.executable, "-m", "qpipe", "registry", "show", "smollm2-135m-int8-e2e", "--json",
