@@ -1,4 +1,4 @@
-"""Generate math-word-problems.jsonl: grade-school math word problems in GSM8K's format (not GSM8K items).
+"""Generate math-word-problems.jsonl: grade-school math problems in GSM8K's format (no GSM8K items).
 
 Why generated: the GSM8K train split is not reachable from this project's machines (no PyPI package
 ships it), and qpipe evaluates on the GSM8K test split, so calibrating on test items would leak the

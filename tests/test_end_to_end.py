@@ -20,7 +20,7 @@ def trimmed_recipe(tmp_path: Path) -> Path:
     recipe = yaml.safe_load((REPO / "recipes" / "smollm2-135m-int8.yaml").read_text())
     recipe["name"] = "smollm2-135m-int8-e2e"
     recipe["calibration"].update(num_samples=16, seq_len=128)
-    # GSM8K through lm-eval has its own tests (tests/test_eval_gsm8k.py); here the distribution checks
+    # GSM8K through lm-eval has its own tests (test_eval_gsm8k.py); here the distribution checks
     recipe["evaluate"].update(max_tokens=2048, tasks=[])
     recipe["bench"]["profiles"] = [
         {"input_len": 32, "output_len": 16, "concurrency": 4, "num_prompts": 8}

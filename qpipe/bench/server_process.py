@@ -15,6 +15,7 @@ from types import TracebackType
 
 import httpx
 
+
 class ServerStartError(Exception):
     """The server exited or never became healthy; the message carries its log's tail."""
 

@@ -11,7 +11,7 @@ import typer
 
 def resolve_model_path(arg: str, store: str | None = None) -> Path:
     """Where the weights to serve live: a checkpoint/artifact directory, or an engine alias
-    (`{model}-{arch}-{quant}-tp{N}`) in the store, whose build entry's `qpipe/` artifact is served."""
+    (`{model}-{arch}-{quant}-tp{N}`) in the store, whose build's `qpipe/` artifact is served."""
     path = Path(arg).expanduser()
     if path.is_dir():
         return path
