@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RECIPE ?= recipes/smollm2-135m-int8.yaml
 
-.PHONY: run test lint format clean
+.PHONY: run test format clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,15 +22,13 @@ run: $(STAMP)
 	$(BIN)/qpipe run $(RECIPE)
 
 test: $(STAMP)
+	$(BIN)/ruff check qpipe tests bench calibration
+	$(BIN)/ruff format --check qpipe tests bench calibration
 	$(BIN)/python -m pytest -q --durations=15
 
-lint: $(STAMP)
-	$(BIN)/ruff check qpipe tests bench
-	$(BIN)/ruff format --check qpipe tests bench
-
 format: $(STAMP)
-	$(BIN)/ruff format qpipe tests bench
-	$(BIN)/ruff check --fix qpipe tests bench
+	$(BIN)/ruff format qpipe tests bench calibration
+	$(BIN)/ruff check --fix qpipe tests bench calibration
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
