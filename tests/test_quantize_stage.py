@@ -301,3 +301,44 @@ def test_smollm2_8bit_methods_stay_close(
     assert measured.perplexity < PPL_BOUND[method] * smol_reference["perplexity"]
     assert measured.kld < 0.05
     assert record["probe"]["divergence"]["kld"] < 0.1  # the stage's own check, on calibration rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("method", "recipe"),
+    [
+        # AWQ's grid search costs ~4 s of CPU per block: blocks 0-3 show format, zero points, reload
+        ("awq", "{method: awq, group_size: 64, keep_16bit: [lm_head, "
+                r"'re:model\.layers\.([4-9]|\d\d)\..*']}"),
+        ("int4-wo", "{method: int4-wo, group_size: 64}"),
+    ],
+)  # fmt: skip
+def test_smollm2_int4_methods_write_packed_groups(
+    tmp_path: Path,
+    smollm2_checkpoint: Path,
+    smol_calibration: Path,
+    smol_reference: dict,
+    method: str,
+    recipe: str,
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from qpipe.quant.divergence import compare
+
+    out, record, _ = run_stage(tmp_path, smollm2_checkpoint, smol_calibration, recipe)
+    q_proj = tensors(out, "model.layers.2.self_attn.q_proj.")
+    assert q_proj["weight_packed"].dtype == torch.int32
+    assert tuple(q_proj["weight_packed"].shape) == (576, 576 // 8)  # eight int4 per int32
+    assert tuple(q_proj["weight_scale"].shape) == (576, 576 // 64)
+    if method == "awq":  # asymmetric by default: one zero point per group
+        assert tuple(q_proj["weight_zero_point"].shape[-1:]) == (576 // 64,)
+        assert set(tensors(out, "model.layers.4.self_attn.q_proj.")) == {"weight"}
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = smol_reference["tokenizer"](PROMPT, return_tensors="pt")
+    greedy = model.generate(**prompt, max_new_tokens=6, do_sample=False)
+    agree = 2 if method == "awq" else 1  # RTN int4 of every layer (KLD ~0.45) keeps the first only
+    generated = greedy[0, prompt.input_ids.shape[1] :].tolist()
+    assert generated[:agree] == smol_reference["greedy"][:agree]
+    reloaded = compare(smol_reference["logprobs"], model, smol_reference["windows"])
+    assert reloaded.perplexity < PPL_BOUND[method] * smol_reference["perplexity"]
+    assert reloaded.kld > 0
