@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,27 @@ class EntryMeta(BaseModel):
     metrics: dict[str, Any] = Field(default_factory=dict)
     gate: dict[str, Any] | None = None
     key_inputs: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def of_built(
+        cls,
+        key: str,
+        stage: str,
+        built: Path,
+        metrics: dict[str, Any],
+        gate: dict[str, Any] | None,
+        key_inputs: dict[str, Any],
+    ) -> EntryMeta:
+        """The marker for a finished build directory: its files' sizes and checksums, now."""
+        return cls(
+            key=key,
+            stage=stage,
+            created=datetime.now(UTC).isoformat(timespec="seconds"),
+            files=record_files(built),
+            metrics=metrics,
+            gate=gate,
+            key_inputs=key_inputs,
+        )
 
     @property
     def size(self) -> int:

@@ -14,14 +14,13 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from qpipe.store.base import Store, StoreError
-from qpipe.store.entry import MARKER, EntryMeta, record_files, select_files, verify_files
+from qpipe.store.entry import MARKER, EntryMeta, select_files, verify_files
 
 
 def default_home() -> Path:
@@ -98,15 +97,7 @@ class LocalStore(Store):
         gate: dict[str, Any] | None,
         key_inputs: dict[str, Any],
     ) -> EntryMeta:
-        meta = EntryMeta(
-            key=key,
-            stage=stage,
-            created=datetime.now(UTC).isoformat(timespec="seconds"),
-            files=record_files(built),
-            metrics=metrics,
-            gate=gate,
-            key_inputs=key_inputs,
-        )
+        meta = EntryMeta.of_built(key, stage, built, metrics, gate, key_inputs)
         return self.adopt(meta, built)
 
     def adopt(self, meta: EntryMeta, built: Path) -> EntryMeta:

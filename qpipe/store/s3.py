@@ -15,7 +15,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,6 @@ from qpipe.store.entry import (
     CorruptEntry,
     EntryMeta,
     FileRecord,
-    record_files,
     select_files,
     verify_files,
 )
@@ -276,15 +274,7 @@ class S3Store(Store):
         gate: dict[str, Any] | None,
         key_inputs: dict[str, Any],
     ) -> EntryMeta:
-        meta = EntryMeta(
-            key=key,
-            stage=stage,
-            created=datetime.now(UTC).isoformat(timespec="seconds"),
-            files=record_files(built),
-            metrics=metrics,
-            gate=gate,
-            key_inputs=key_inputs,
-        )
+        meta = EntryMeta.of_built(key, stage, built, metrics, gate, key_inputs)
         published = self.import_entry(meta, built)
         if published.files == meta.files:  # ours won (or an identical build): keep it, no download
             self.cache.adopt(meta, built)
