@@ -41,6 +41,7 @@ from qpipe.export.trtllm_quant import (
     choose_layout,
     linear_tensors,
 )
+from qpipe.fit import FitError, ModelShape
 
 ARCHITECTURES = ("LlamaForCausalLM",)
 # TensorRT-LLM linear -> the HF linears it holds (fused in order).
@@ -63,14 +64,8 @@ def _divisors(n: int) -> str:
 
 
 @dataclass(frozen=True)
-class LlamaShape:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
+class LlamaShape(ModelShape):
+    """A Llama-family shape (read as `qpipe fit` reads it) and the tp/pp splits it allows."""
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> LlamaShape:
@@ -80,16 +75,12 @@ class LlamaShape:
                 f"architectures {archs} is not Llama-family; the TensorRT-LLM checkpoint writer "
                 f"supports {', '.join(ARCHITECTURES)}"
             )
-        heads = config["num_attention_heads"]
-        return cls(
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            vocab_size=config["vocab_size"],
-        )
+        try:
+            shape = super().from_config(config)
+        except FitError as exc:
+            raise CheckpointFormatError(str(exc)) from exc
+        assert isinstance(shape, LlamaShape)
+        return shape
 
     def check_parallel(self, tp: int, pp: int) -> None:
         if self.num_heads % tp:
