@@ -67,7 +67,9 @@ def start_server(
     keepalive_interval_s: float = 15.0,
     **engine_kwargs: object,
 ) -> RunningServer:
-    engine_kwargs = {"kv_cache_memory_gib": 0.05, "max_model_len": 256, **engine_kwargs}
+    engine_kwargs = {
+        "dtype": "float32", "kv_cache_memory_gib": 0.05, "max_model_len": 256, **engine_kwargs
+    }  # fmt: skip
     engine = LLMEngine(EngineConfig(model=str(checkpoint), **engine_kwargs))  # type: ignore[arg-type]
     async_engine = AsyncLLMEngine(engine, ServerMetrics(name), max_queue=max_queue)
     settings = ServerSettings(

@@ -28,8 +28,11 @@ SHARED_PREFIX = (
 @pytest.fixture(scope="module")
 def engine(smollm2_checkpoint: Path) -> LLMEngine:
     return LLMEngine(
-        EngineConfig(model=str(smollm2_checkpoint), kv_cache_memory_gib=0.1, max_model_len=512)
-    )
+        EngineConfig(
+            model=str(smollm2_checkpoint), dtype="float32", kv_cache_memory_gib=0.1,
+            max_model_len=512,
+        )
+    )  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -117,8 +120,8 @@ def test_chunked_prefill_and_preemption_give_the_same_tokens(
     # prompt tokens into chunks.
     tight = LLMEngine(
         EngineConfig(
-            model=str(smollm2_checkpoint), num_kv_blocks=8, max_num_batched_tokens=40,
-            enable_prefix_caching=False,
+            model=str(smollm2_checkpoint), dtype="float32", num_kv_blocks=8,
+            max_num_batched_tokens=40, enable_prefix_caching=False,
         )
     )  # fmt: skip
     assert tight.generate(prompts, params) == reference
@@ -173,3 +176,31 @@ def test_bad_requests_are_rejected_with_the_reason(engine: LLMEngine) -> None:
         engine.add_request("dup", [1, 2, 3], GREEDY)
     (out,) = engine.step()
     assert out.finished and out.finish_reason == "length" and out.num_prompt_tokens == 3
+
+
+def test_auto_dtype_is_16_bit_only_where_matrix_units_exist(monkeypatch) -> None:
+    from qpipe.serve.loader import resolve_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert resolve_dtype("auto", "cpu", {"dtype": "float32"}) is torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert resolve_dtype("auto", "cpu", {"dtype": "bfloat16"}) is torch.float32
+    assert resolve_dtype("auto", "cuda", {"dtype": "float16"}) is torch.float16
+    assert resolve_dtype("auto", "cuda", {"dtype": "float32"}) is torch.bfloat16
+    assert resolve_dtype("float32", "cuda", {}) is torch.float32
+
+
+def test_bf16_serving_keeps_a_bf16_cache_and_tracks_fp32(
+    engine: LLMEngine, smollm2_checkpoint: Path
+) -> None:
+    """bf16 (the CPU default where AMX exists) on the real model: same first tokens as fp32."""
+    bf16 = LLMEngine(
+        EngineConfig(model=str(smollm2_checkpoint), dtype="bfloat16", kv_cache_memory_gib=0.05)
+    )
+    assert bf16.model_runner.kv_cache.dtype is torch.bfloat16
+    prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ours, reference = bf16.generate(prompts, params), engine.generate(prompts, params)
+    assert [o[0] for o in ours] == [r[0] for r in reference]
+    stats = bf16.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks

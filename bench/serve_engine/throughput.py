@@ -24,9 +24,20 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=0, help="default: 2 x concurrency")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens
+    )
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, kv_cache_memory_gib=1.0))
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            kv_cache_memory_gib=1.0,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+    )
     vocab = len(engine.tokenizer)
     gen = torch.Generator().manual_seed(0)
     total = args.requests or 2 * args.concurrency

@@ -172,12 +172,14 @@ def read_config_json(path: Path) -> dict:
 
 
 def resolve_dtype(requested: str, device: str, checkpoint: dict) -> torch.dtype:
-    """ "auto" is fp32 on CPU (no native bf16 on the CPUs we target: bf16 GEMMs run ~5x slower) and
-    the checkpoint's 16-bit dtype on GPU (bf16 when it is stored in fp32)."""
+    """ "auto" computes in 16 bits wherever the hardware has 16-bit matrix units: the checkpoint's
+    16-bit dtype on GPU (bf16 when it is stored in fp32), bf16 on CPUs with AMX (measured on one:
+    bf16 GEMMs 3-7x faster than fp32, serving ~1.9x), fp32 on other CPUs, where bf16 GEMMs run
+    slower than fp32. vLLM's "auto" downcasts fp32 checkpoints the same way."""
     if requested != "auto":
         return getattr(torch, requested)
     if device == "cpu":
-        return torch.float32
+        return torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32
     stored = checkpoint.get("dtype") or checkpoint.get("torch_dtype")
     return torch.float16 if stored == "float16" else torch.bfloat16
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from qpipe.serve.config import EngineConfig
+from qpipe.serve.host_memory import keep_freed_memory
 from qpipe.serve.layers.attention import AttentionMetadata, PrefillSpan
 from qpipe.serve.layers.sampler import sample
 from qpipe.serve.loader import load_model, read_config_json, resolve_dtype
@@ -32,6 +33,8 @@ class ModelRunner:
             raise ValueError(
                 "EngineConfig.device is 'cuda' but torch sees no GPU; use device='cpu'"
             )
+        if config.device == "cpu":
+            keep_freed_memory()
         path = Path(config.model)
         raw = read_config_json(path)
         self.dtype = resolve_dtype(config.dtype, config.device, raw)
@@ -183,8 +186,9 @@ class ModelRunner:
             ]
             tables = torch.tensor(padded, device=self.device)
             context = torch.tensor([it.start + 1 for it in decodes], device=self.device)
-            mask = torch.arange(width * bs, device=self.device)[None, :] < context[:, None]
-            mask = mask[:, None, None, :]
+            beyond = torch.arange(width * bs, device=self.device)[None, :] >= context[:, None]
+            mask = torch.zeros(beyond.shape, dtype=self.dtype, device=self.device)
+            mask = mask.masked_fill_(beyond, float("-inf"))[:, None, None, :]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=self.device),
             num_decode_tokens=len(decodes),

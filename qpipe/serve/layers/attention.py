@@ -30,7 +30,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
     num_decode_tokens: int  # the first tokens of the batch are single-token queries
     decode_block_tables: torch.Tensor | None  # [decodes, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size]
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size], 0 or -inf
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -38,25 +38,24 @@ def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]. Returns [T, heads * head_dim]."""
+    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; kv_cache: this layer's
+    [2, blocks, block_size, kv_heads, head_dim]. Returns [T, heads * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    k_cache, v_cache = kv_cache
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     group = num_heads // num_kv_heads
 
     decodes = meta.num_decode_tokens
     if decodes:
-        tables = meta.decode_block_tables
-        ctx_k = _gather(k_cache, tables)
-        ctx_v = _gather(v_cache, tables)
-        q_groups = q[:decodes].view(decodes, num_kv_heads, group, head_dim)
+        ctx_k, ctx_v = _gather(kv_cache, meta.decode_block_tables)
+        q_groups = q[:decodes].reshape(decodes, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(
             q_groups, ctx_k, ctx_v, attn_mask=meta.decode_mask, scale=scale
         )
@@ -87,8 +86,9 @@ def paged_attention(
     return out.view(num_tokens, num_heads * head_dim)
 
 
-def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """[batch, kv_heads, blocks * block_size, head_dim] view of the blocks listed in `tables`."""
+def _gather(kv_cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """[2, batch, kv_heads, blocks * block_size, head_dim] copy of the K and V blocks listed in
+    `tables`, in one pass."""
     batch, width = tables.shape
-    blocks = cache.index_select(0, tables.flatten())
-    return blocks.view(batch, width * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
+    blocks = kv_cache.index_select(1, tables.flatten())
+    return blocks.view(2, batch, width * kv_cache.shape[2], *kv_cache.shape[3:]).transpose(2, 3)

@@ -6,6 +6,8 @@ linear, yarn, ...), so every rope type a checkpoint declares is computed the way
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -26,23 +28,30 @@ def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.
 
 
 class RotaryEmbedding(nn.Module):
+    """cos and sin tables by position; `sin` carries rotate_half's sign in its first half, so a
+    rotation is `x * cos + x.roll(half) * sin`, the same products as HF's cat/neg form."""
+
     def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         inv_freq, scaling = inverse_frequencies(config, head_dim)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
+        sign = torch.ones(head_dim)
+        sign[: head_dim // 2] = -1.0
         self.register_buffer("cos", emb.cos() * scaling)
-        self.register_buffer("sin", emb.sin() * scaling)
+        self.register_buffer("sin", emb.sin() * scaling * sign)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
+        """Looked up once per forward: every layer rotates at the same positions."""
+        return RotaryTables(
+            self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        )
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class RotaryTables(NamedTuple):
+    cos: torch.Tensor  # [T, 1, head_dim]
+    sin: torch.Tensor  # [T, 1, head_dim], first half negated
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim] (query and key heads together)."""
+        return x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.sin

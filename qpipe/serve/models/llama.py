@@ -17,7 +17,7 @@ from transformers import PretrainedConfig
 from qpipe.serve.layers.attention import AttentionMetadata, paged_attention
 from qpipe.serve.layers.linear import DenseLinear, LinearBase
 from qpipe.serve.layers.norm import RMSNorm
-from qpipe.serve.layers.rotary import RotaryEmbedding
+from qpipe.serve.layers.rotary import RotaryEmbedding, RotaryTables
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -55,20 +55,17 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        rotary: RotaryEmbedding,
-        positions: torch.Tensor,
+        rotary: RotaryTables,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = hidden.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(hidden))
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qk, v = qkv.split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
+        q, k = rotary.rotate(qk.view(t, heads + kv_heads, head_dim)).split([heads, kv_heads], 1)
+        v = v.view(t, kv_heads, head_dim)
+        attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
         hidden = hidden + self.o_proj(attn)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
         return hidden + self.down_proj(F.silu(gate) * up)
@@ -107,8 +104,9 @@ class LlamaForCausalLM(nn.Module):
         """Logits (fp32) for the tokens at `logits_indices` only: the vocabulary projection is the
         biggest GEMM per token, and only each sequence's last token needs it."""
         hidden = F.embedding(input_ids, self.embed_tokens)
+        rotary = self.rotary.tables(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, self.rotary, positions, kv_cache, meta)
+            hidden = layer(hidden, rotary, kv_cache, meta)
         hidden = self.norm(hidden[logits_indices])
         return self.lm_head(hidden).float()
 
