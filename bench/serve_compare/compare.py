@@ -24,7 +24,6 @@ from pathlib import Path
 from types import FrameType
 
 import httpx
-from external_server import ExternalServer, ServerStartError
 from hf_generate import run_hf_generate
 from peers import PEERS, SERVED_MODEL_NAME, PeerPaths, git_commit, peer_version, server_spec
 from report import PeerRun, write_report
@@ -35,7 +34,7 @@ from qpipe.bench.client import Target, send_request
 from qpipe.bench.config import LoadProfile
 from qpipe.bench.dataset import Tokenizer, load_tokenizer, random_prompts
 from qpipe.bench.runner import BenchError, BenchOptions, run_benchmark
-from qpipe.bench.server_process import free_port
+from qpipe.bench.server_process import ServerProcess, ServerStartError, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PEERS_DIR = Path("/work/peers")  # where this project's peer builds live (see README.md)
@@ -142,7 +141,9 @@ def run_peer(
         request_timeout_s=config.request_timeout_s,
     )
     try:
-        with ExternalServer(spec, log):
+        with ServerProcess(
+            spec.name, spec.command, spec.port, log, spec.env, spec.startup_timeout_s
+        ):
             progress.remove_task(starting)
             usage = reports_usage(target, tokenizer, config.seed)
             levels = run_benchmark(
@@ -253,7 +254,7 @@ def _progress() -> Progress:
 
 
 def _exit_on_sigterm() -> None:
-    """SIGTERM/SIGHUP unwind like Ctrl-C, so every `with ExternalServer` stops its server."""
+    """SIGTERM/SIGHUP unwind like Ctrl-C, so every `with ServerProcess` stops its server."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         raise SystemExit(128 + signum)

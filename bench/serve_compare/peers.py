@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-
-from external_server import ServerSpec
 
 SERVED_MODEL_NAME = "smollm2"
 HTTP_PEERS = ("llamacpp", "vllm", "vllm-bf16", "qpipe", "qpipe-bf16", "qpipe-int8")
@@ -28,6 +27,21 @@ DTYPES = {"vllm": "float32", "vllm-bf16": "bfloat16", "qpipe": "float32", "qpipe
 # vLLM's CPU docs ask for tcmalloc and Intel's OpenMP in LD_PRELOAD; it runs best with them.
 VLLM_PRELOAD = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "libiomp5.so")
 KV_MARGIN_TOKENS = 64  # per llama-server slot, beyond prompt + output
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How to start one peer's server (llama-server answers /health with 503 while it loads)."""
+
+    name: str
+    command: tuple[str, ...]
+    port: int
+    env: Mapping[str, str] = field(default_factory=dict)  # on top of this process's environment
+    startup_timeout_s: float = 600.0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
 
 @dataclass(frozen=True)

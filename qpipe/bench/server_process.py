@@ -1,4 +1,4 @@
-"""The built-in server as a child process for the length of a benchmark.
+"""A server as a child process for the length of a benchmark: qpipe's own, or any other.
 
 A separate process, not an in-process app: the benchmark's client and the engine must not share one
 event loop or one GIL, or the client's timing would measure itself.
@@ -6,14 +6,22 @@ event loop or one GIL, or the client's timing would measure itself.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 import httpx
+
+HEALTH_POLL_S = 0.5
+STOP_GRACE_S = 30.0
 
 
 class ServerStartError(Exception):
@@ -39,33 +47,43 @@ def server_flags(args: dict[str, str | int | float | bool]) -> list[str]:
     return flags
 
 
-class BuiltinServer:
-    """`with BuiltinServer(model_dir, log) as server:` serves on `server.base_url` until the block
-    ends; the log file keeps the server's output for the stage's report."""
+class ServerProcess:
+    """`with ServerProcess(...) as server:` serves on `server.base_url` until the block ends.
+
+    The server runs in its own session (process group) because servers spawn workers (vLLM's
+    engine core, compile workers) and stopping only the leader would leave them holding the CPU;
+    stopping is in `__exit__`, so an exception or Ctrl-C in the block takes the whole group down.
+    `command` must bind 127.0.0.1:`port` and answer GET /health with 200 once it can serve."""
 
     def __init__(
         self,
-        model_dir: Path,
+        name: str,
+        command: Sequence[str],
+        port: int,
         log_path: Path,
-        args: dict[str, str | int | float | bool] | None = None,
+        env: Mapping[str, str] | None = None,
         startup_timeout_s: float = 600.0,
     ):
-        self.model_dir = model_dir
+        self.name = name
+        self.command = tuple(command)
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
-        self.args = dict(args or {})
+        self.env = dict(env or {})  # on top of this process's environment
         self.startup_timeout_s = startup_timeout_s
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> BuiltinServer:
-        command = [
-            sys.executable, "-m", "qpipe", "serve", str(self.model_dir),
-            "--host", "127.0.0.1", "--port", str(self.port), *server_flags(self.args),
-        ]  # fmt: skip
+    def __enter__(self) -> Self:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                start_new_session=True,
+            )
         try:
             self._wait_healthy()
         except BaseException:
@@ -87,32 +105,68 @@ class BuiltinServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise ServerStartError(
-                    f"the server exited with code {self.process.returncode} before it was healthy:"
-                    f"\n{self.log_tail()}"
+                    f"{self.name} exited with code {self.process.returncode} before it was "
+                    f"healthy (log: {self.log_path}):\n{self.log_tail()}"
                 )
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                if httpx.get(f"{self.base_url}/health", timeout=5.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(HEALTH_POLL_S)
         raise ServerStartError(
-            f"the server was not healthy within {self.startup_timeout_s:g}s:\n{self.log_tail()}"
+            f"{self.name} was not healthy within {self.startup_timeout_s:g}s "
+            f"(log: {self.log_path}):\n{self.log_tail()}"
         )
 
     def stop(self) -> None:
-        """SIGTERM (the server drains), then SIGKILL if it hangs."""
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM to the whole group (qpipe's server drains), SIGKILL to whatever is left after
+        the grace period."""
+        if self.process is None:
             return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        group = self.process.pid  # the leader of a new session is its group's id
+        _signal_group(group, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while _group_alive(group) and time.monotonic() < deadline:
+            self.process.poll()  # reap the leader so it does not count as alive
+            time.sleep(0.2)
+        _signal_group(group, signal.SIGKILL)
+        self.process.wait()
 
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no server log)"
+
+
+class BuiltinServer(ServerProcess):
+    """`qpipe serve MODEL_DIR` on a free port; the log file keeps the server's output for the
+    stage's report."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        args: dict[str, str | int | float | bool] | None = None,
+        startup_timeout_s: float = 600.0,
+    ):
+        port = free_port()
+        command = [
+            sys.executable, "-m", "qpipe", "serve", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(port), *server_flags(dict(args or {})),
+        ]  # fmt: skip
+        super().__init__("the server", command, port, log_path, None, startup_timeout_s)
+
+
+def _signal_group(group: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, sig)
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
