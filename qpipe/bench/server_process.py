@@ -50,10 +50,11 @@ def server_flags(args: dict[str, str | int | float | bool]) -> list[str]:
 class ServerProcess:
     """`with ServerProcess(...) as server:` serves on `server.base_url` until the block ends.
 
-    The server runs in its own session (process group) because servers spawn workers (vLLM's
-    engine core, compile workers) and stopping only the leader would leave them holding the CPU;
-    stopping is in `__exit__`, so an exception or Ctrl-C in the block takes the whole group down.
-    `command` must bind 127.0.0.1:`port` and answer GET /health with 200 once it can serve."""
+    With `own_session` the server runs in its own process group, for servers that spawn workers
+    (vLLM's engine core, compile workers): stopping only the leader would leave them holding the
+    CPU. Without it the server stays in the caller's group, so a signal to the caller's group (a CI
+    timeout, Ctrl-C) reaches it too. Stopping is in `__exit__` either way. `command` must bind
+    127.0.0.1:`port` and answer GET /health with 200 once it can serve."""
 
     def __init__(
         self,
@@ -63,8 +64,10 @@ class ServerProcess:
         log_path: Path,
         env: Mapping[str, str] | None = None,
         startup_timeout_s: float = 600.0,
+        own_session: bool = True,
     ):
         self.name = name
+        self.own_session = own_session
         self.command = tuple(command)
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
@@ -82,7 +85,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **self.env},
-                start_new_session=True,
+                start_new_session=self.own_session,
             )
         try:
             self._wait_healthy()
@@ -120,9 +123,18 @@ class ServerProcess:
         )
 
     def stop(self) -> None:
-        """SIGTERM to the whole group (qpipe's server drains), SIGKILL to whatever is left after
-        the grace period."""
+        """SIGTERM (qpipe's server drains), SIGKILL to whatever is left after the grace period;
+        to the whole group when the server has its own session."""
         if self.process is None:
+            return
+        if not self.own_session:
+            if self.process.poll() is None:
+                self.process.terminate()
+                try:
+                    self.process.wait(timeout=STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
             return
         group = self.process.pid  # the leader of a new session is its group's id
         _signal_group(group, signal.SIGTERM)
@@ -156,7 +168,9 @@ class BuiltinServer(ServerProcess):
             sys.executable, "-m", "qpipe", "serve", str(model_dir),
             "--host", "127.0.0.1", "--port", str(port), *server_flags(dict(args or {})),
         ]  # fmt: skip
-        super().__init__("the server", command, port, log_path, None, startup_timeout_s)
+        super().__init__(
+            "the server", command, port, log_path, None, startup_timeout_s, own_session=False
+        )
 
 
 def _signal_group(group: int, sig: signal.Signals) -> None:
