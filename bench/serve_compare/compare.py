@@ -33,6 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from qpipe.bench.client import Target, send_request
 from qpipe.bench.config import LoadProfile
 from qpipe.bench.dataset import Tokenizer, load_tokenizer, random_prompts
+from qpipe.bench.history import cpu_model
 from qpipe.bench.runner import BenchError, BenchOptions, run_benchmark
 from qpipe.bench.server_process import ServerProcess, ServerStartError, free_port
 
@@ -177,7 +178,7 @@ def machine_info(config: CompareConfig, versions: dict[str, str]) -> dict[str, o
 
     return {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_average_at_start": ", ".join(f"{x:.2f}" for x in os.getloadavg()),
@@ -261,16 +262,6 @@ def _exit_on_sigterm() -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGHUP, handler)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

@@ -65,10 +65,11 @@ def hardware_string() -> str:
                 return f"{len(gpus)}x {gpus[0]}"
         except (OSError, subprocess.SubprocessError):
             pass
-    return f"cpu:{_cpu_model()} x{os.cpu_count()}"
+    return f"cpu:{cpu_model()} x{os.cpu_count()}"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo, else what `platform` knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
