@@ -204,3 +204,14 @@ def test_bf16_serving_keeps_a_bf16_cache_and_tracks_fp32(
     assert [o[0] for o in ours] == [r[0] for r in reference]
     stats = bf16.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_freed_memory_stays_in_the_process_on_glibc() -> None:
+    """glibc takes the raised mmap/trim thresholds (mallopt returns 1 for each)."""
+    import platform
+
+    from qpipe.serve.host_memory import keep_freed_memory
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    assert keep_freed_memory() is True
