@@ -12,6 +12,7 @@ import torch
 
 from qpipe.serve.config import EngineConfig
 from qpipe.serve.host_memory import keep_freed_memory
+from qpipe.serve.layers import cpu_kernels
 from qpipe.serve.layers.attention import AttentionMetadata, PrefillSpan
 from qpipe.serve.layers.sampler import sample
 from qpipe.serve.loader import load_model, read_config_json, resolve_dtype
@@ -55,6 +56,9 @@ class ModelRunner:
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = hf.num_key_value_heads
         self.head_dim = head_dim_of(hf)
+        self.decode_kernel = cpu_kernels.serves(self.device, self.dtype) and (
+            cpu_kernels.decode_attention_fits(self.head_dim, self.block_size)
+        )
         self.num_kv_blocks = self._count_kv_blocks()
         capacity = self.num_kv_blocks * self.block_size
         if capacity < max_len:
@@ -113,10 +117,14 @@ class ModelRunner:
             self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim,
             dtype=self.dtype, device=self.device,
         )  # fmt: skip
+        slots = torch.arange(tokens, device=self.device)
         meta = AttentionMetadata(
-            slot_mapping=torch.arange(tokens, device=self.device),
+            slot_mapping=slots,
+            slot_blocks=slots // self.block_size,
+            slot_offsets=slots % self.block_size,
             num_decode_tokens=0,
             decode_block_tables=None,
+            decode_context_lens=None,
             decode_mask=None,
             prefills=(PrefillSpan(0, tokens, 0, torch.arange(blocks, device=self.device)),),
         )
@@ -178,21 +186,28 @@ class ModelRunner:
             pos.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-        tables = mask = None
+        tables = context = mask = None
         if decodes:
             width = max(len(item.seq.block_table) for item in decodes)
             padded = [
                 it.seq.block_table + [0] * (width - len(it.seq.block_table)) for it in decodes
             ]
-            tables = torch.tensor(padded, device=self.device)
-            context = torch.tensor([it.start + 1 for it in decodes], device=self.device)
-            beyond = torch.arange(width * bs, device=self.device)[None, :] >= context[:, None]
-            mask = torch.zeros(beyond.shape, dtype=self.dtype, device=self.device)
-            mask = mask.masked_fill_(beyond, float("-inf"))[:, None, None, :]
+            tables = torch.tensor(padded, dtype=torch.int32, device=self.device)
+            context = torch.tensor(
+                [it.start + 1 for it in decodes], dtype=torch.int32, device=self.device
+            )
+            if not self.decode_kernel:
+                beyond = torch.arange(width * bs, device=self.device)[None, :] >= context[:, None]
+                mask = torch.zeros(beyond.shape, dtype=self.dtype, device=self.device)
+                mask = mask.masked_fill_(beyond, float("-inf"))[:, None, None, :]
+        slot_mapping = torch.tensor(slots, device=self.device)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=self.device),
+            slot_mapping=slot_mapping,
+            slot_blocks=slot_mapping // bs,
+            slot_offsets=slot_mapping % bs,
             num_decode_tokens=len(decodes),
             decode_block_tables=tables,
+            decode_context_lens=context,
             decode_mask=mask,
             prefills=tuple(spans),
         )

@@ -1,10 +1,13 @@
-"""Attention over the paged KV cache, in plain torch (SDPA).
+"""Attention over the paged KV cache: a C++ kernel for decodes on CPU, torch SDPA elsewhere.
 
-The cache of one layer is `[num_blocks, block_size, kv_heads, head_dim]` for K and for V. New K/V
-are scattered into their slots first; then
-- all single-token queries (decodes) run as ONE batched SDPA call: their blocks are gathered into
-  a padded `[batch, kv_heads, context, head_dim]` tensor with a length mask, and the query heads
-  of a KV group ride as the query-length axis, so GQA needs no repeated K/V;
+One layer's cache is one `[2, num_blocks, block_size, kv_heads, head_dim]` allocation; a V block
+is read as `[block_size, kv_heads, head_dim]`, a K block as `[kv_heads, head_dim, block_size]`
+(token-minor, so the decode kernel's q.K over a block needs no horizontal sums). New K/V are
+scattered into their slots first; then
+- all single-token queries (decodes) run as one batch: on CPU the kernel reads their K/V where it
+  lies through the block tables; otherwise (GPU, or no compiler) one SDPA call over a padded
+  `[batch, kv_heads, context, head_dim]` gather with a length mask, where the query heads of a KV
+  group ride as the query-length axis, so GQA needs no repeated K/V;
 - each multi-token chunk (prefill) runs on its own: fresh prompts attend to their own K/V with a
   causal mask, chunks after cached context gather that context from the cache first.
 """
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from qpipe.serve.layers import cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -28,9 +33,13 @@ class PrefillSpan:
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
+    slot_blocks: torch.Tensor  # [num_tokens] slot_mapping // block_size
+    slot_offsets: torch.Tensor  # [num_tokens] slot_mapping % block_size
     num_decode_tokens: int  # the first tokens of the batch are single-token queries
-    decode_block_tables: torch.Tensor | None  # [decodes, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size], 0 or -inf
+    decode_block_tables: torch.Tensor | None  # [decodes, max_blocks] int32, padded with block 0
+    decode_context_lens: torch.Tensor | None  # [decodes] int32, the new token included
+    # [decodes, 1, 1, max_blocks * block_size], 0 or -inf; only for the SDPA path
+    decode_mask: torch.Tensor | None
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -46,15 +55,20 @@ def paged_attention(
     [2, blocks, block_size, kv_heads, head_dim]. Returns [T, heads * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    k_cache, v_cache = kv_cache
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    k_cache, v_cache = cache_views(kv_cache)
+    k_cache.permute(0, 3, 1, 2).index_put_((meta.slot_blocks, meta.slot_offsets), k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     out = q.new_empty(q.shape)
     group = num_heads // num_kv_heads
 
     decodes = meta.num_decode_tokens
-    if decodes:
-        ctx_k, ctx_v = _gather(kv_cache, meta.decode_block_tables)
+    if decodes and meta.decode_mask is None:
+        cpu_kernels.ops.decode_attention(
+            out[:decodes], q[:decodes], k_cache, v_cache,
+            meta.decode_block_tables, meta.decode_context_lens, scale,
+        )  # fmt: skip
+    elif decodes:
+        ctx_k, ctx_v = _gather(k_cache, v_cache, meta.decode_block_tables)
         q_groups = q[:decodes].reshape(decodes, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(
             q_groups, ctx_k, ctx_v, attn_mask=meta.decode_mask, scale=scale
@@ -69,7 +83,7 @@ def paged_attention(
             mask = None
         else:
             total = span.context_start + span.num_tokens
-            ks = k_cache[span.block_table].flatten(0, 1)[:total]
+            ks = k_cache[span.block_table].permute(0, 3, 1, 2).flatten(0, 1)[:total]
             vs = v_cache[span.block_table].flatten(0, 1)[:total]
             q_pos = torch.arange(span.context_start, total, device=q.device)
             mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
@@ -86,9 +100,22 @@ def paged_attention(
     return out.view(num_tokens, num_heads * head_dim)
 
 
-def _gather(kv_cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """[2, batch, kv_heads, blocks * block_size, head_dim] copy of the K and V blocks listed in
-    `tables`, in one pass."""
+def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K as [blocks, kv_heads, head_dim, block_size] and V as [blocks, block_size,
+    kv_heads, head_dim], both views of its [2, blocks, block_size, kv_heads, head_dim] cache."""
+    _, blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    return kv_cache[0].view(blocks, kv_heads, head_dim, block_size), kv_cache[1]
+
+
+def _gather(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[batch, kv_heads, blocks * block_size, head_dim] copies of the K and V blocks listed in
+    `tables`, for SDPA."""
     batch, width = tables.shape
-    blocks = kv_cache.index_select(1, tables.flatten())
-    return blocks.view(2, batch, width * kv_cache.shape[2], *kv_cache.shape[3:]).transpose(2, 3)
+    _, kv_heads, head_dim, block_size = k_cache.shape
+    flat = tables.flatten().long()
+    ks = k_cache.index_select(0, flat).view(batch, width, kv_heads, head_dim, block_size)
+    ks = ks.permute(0, 2, 1, 4, 3).reshape(batch, kv_heads, width * block_size, head_dim)
+    vs = v_cache.index_select(0, flat).view(batch, width * block_size, kv_heads, head_dim)
+    return ks, vs.transpose(1, 2)

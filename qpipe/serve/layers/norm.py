@@ -1,9 +1,15 @@
-"""RMSNorm as Llama computes it: statistics in fp32, scale applied in the model dtype."""
+"""RMSNorm as Llama computes it: statistics in fp32, scale applied in the model dtype.
+
+With a residual it is the fused "residual += x; x = norm(residual)" that joins two layers (as in
+vLLM), which the CPU kernel does in one pass over the row.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from qpipe.serve.layers import cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -12,7 +18,22 @@ class RMSNorm(nn.Module):
         self.register_buffer("weight", weight)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normalized, residual stream): without `residual`, `x` is the stream. With it, both
+        tensors are updated in place where the CPU kernel runs."""
+        if cpu_kernels.usable(x) and x.dim() == 2:
+            if residual is None:
+                out = torch.empty_like(x)
+                cpu_kernels.ops.rms_norm(out, x, self.weight, self.eps)
+                return out, x
+            cpu_kernels.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        stream = x if residual is None else residual + x
+        return self._eager(stream), stream
+
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

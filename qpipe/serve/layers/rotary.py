@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from qpipe.serve.layers import cpu_kernels
+
 
 def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -42,16 +44,36 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * scaling * sign)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
-        """Looked up once per forward: every layer rotates at the same positions."""
-        return RotaryTables(
-            self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-        )
+        """Built once per forward: every layer rotates at the same positions. The CPU kernel reads
+        the fp32 tables by position itself; the eager path gets them looked up in `dtype`."""
+        if cpu_kernels.serves(positions.device, dtype):
+            return RotaryTables(positions, self.cos, self.sin, None, None)
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return RotaryTables(positions, self.cos, self.sin, cos, sin)
 
 
 class RotaryTables(NamedTuple):
-    cos: torch.Tensor  # [T, 1, head_dim]
-    sin: torch.Tensor  # [T, 1, head_dim], first half negated
+    positions: torch.Tensor  # [T] int64
+    cos_cache: torch.Tensor  # [max_positions, head_dim] fp32
+    sin_cache: torch.Tensor  # [max_positions, head_dim] fp32, first half negated
+    cos: torch.Tensor | None  # [T, 1, head_dim] in the model dtype, eager path only
+    sin: torch.Tensor | None
 
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim] (query and key heads together)."""
-        return x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.sin
+    def apply(
+        self, qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split the fused projection [T, (heads + 2 kv_heads) * head_dim] into q, k, v heads
+        with q and k rotated (in place on the kernel path)."""
+        t = qkv.shape[0]
+        if self.cos is None:
+            cpu_kernels.ops.rotary(
+                qkv, self.positions, self.cos_cache, self.sin_cache, heads + kv_heads, head_dim
+            )
+            qkv3 = qkv.view(t, heads + 2 * kv_heads, head_dim)
+            return qkv3.split([heads, kv_heads, kv_heads], 1)
+        qk, v = qkv.split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
+        qk = qk.view(t, heads + kv_heads, head_dim)
+        rotated = qk * self.cos + qk.roll(head_dim // 2, dims=-1) * self.sin
+        q, k = rotated.split([heads, kv_heads], 1)
+        return q, k, v.view(t, kv_heads, head_dim)

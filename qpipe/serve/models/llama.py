@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from qpipe.serve.layers.activation import silu_and_mul
 from qpipe.serve.layers.attention import AttentionMetadata, paged_attention
 from qpipe.serve.layers.linear import DenseLinear, LinearBase
 from qpipe.serve.layers.norm import RMSNorm
@@ -55,20 +56,19 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         rotary: RotaryTables,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        t = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(hidden))
-        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qk, v = qkv.split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
-        q, k = rotary.rotate(qk.view(t, heads + kv_heads, head_dim)).split([heads, kv_heads], 1)
-        v = v.view(t, kv_heads, head_dim)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream before it): the residual add of each sub-block is
+        fused into the norm that follows it."""
+        hidden, residual = self.input_layernorm(hidden, residual)
+        qkv = self.qkv_proj(hidden)
+        q, k, v = rotary.apply(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        hidden = hidden + self.o_proj(attn)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        hidden, residual = self.post_attention_layernorm(self.o_proj(attn), residual)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -105,9 +105,10 @@ class LlamaForCausalLM(nn.Module):
         biggest GEMM per token, and only each sequence's last token needs it."""
         hidden = F.embedding(input_ids, self.embed_tokens)
         rotary = self.rotary.tables(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rotary, kv_cache, meta)
-        hidden = self.norm(hidden[logits_indices])
+            hidden, residual = layer(hidden, residual, rotary, kv_cache, meta)
+        hidden, _ = self.norm(hidden[logits_indices], residual[logits_indices])
         return self.lm_head(hidden).float()
 
 

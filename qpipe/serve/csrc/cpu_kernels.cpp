@@ -1,0 +1,397 @@
+// CPU kernels for the serving engine's memory-bound steps, registered as torch.ops.qpipe_cpu.*.
+//
+// Why by hand: on a 2-core CPU a decode step of a small model is dominated not by its GEMMs but by
+// (a) gathering each sequence's K/V blocks into a padded copy before SDPA and (b) ~30 small eager
+// ops per layer (norms, rotary, SiLU, residual adds), each a full pass over memory plus dispatch.
+// These kernels read the paged cache in place and do each of those steps in one pass. They compute
+// in fp32 and round once to the model dtype where the eager path rounds the same way.
+//
+// Built at first use by qpipe/serve/layers/cpu_kernels.py with -O3 -march=native: loops are
+// written so that GCC vectorizes them (contiguous inner loops, `omp simd` reductions, no calls).
+// -ffp-contract=off keeps fp32 results equal to torch's unfused multiply-then-add.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using bf16 = uint16_t;  // raw bfloat16 bits
+
+inline float ld(const float* p) { return *p; }
+inline float ld(const bf16* p) {
+  uint32_t u = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline void st(float* p, float v) { *p = v; }
+inline void st(bf16* p, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+  *p = static_cast<bf16>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);  // NaN stays NaN
+}
+// The value after a round trip through T: what an eager op in dtype T would have produced.
+template <typename T>
+inline float rnd(float v) {
+  T t;
+  st(&t, v);
+  return ld(&t);
+}
+
+// exp for softmax and SiLU: Cephes' range reduction and polynomial (about 1 ulp), written without
+// calls so loops over it vectorize; std::exp would run one element at a time.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+template <typename F>
+void dispatch(const at::Tensor& t, const char* op, F&& body) {
+  if (t.scalar_type() == at::kFloat) {
+    body(static_cast<float*>(nullptr));
+  } else if (t.scalar_type() == at::kBFloat16) {
+    body(static_cast<bf16*>(nullptr));
+  } else {
+    TORCH_CHECK(false, op, ": float32 or bfloat16 only, got ", t.scalar_type());
+  }
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, what, " must be 2-D with contiguous rows");
+}
+
+// RMSNorm of one row as Llama computes it: statistics in fp32, normalized row rounded to the model
+// dtype, then multiplied by the weight in the model dtype.
+template <typename T>
+void norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = ld(x + i);
+    sum += v * v;
+  }
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) st(out + i, ld(w + i) * rnd<T>(ld(x + i) * inv));
+}
+
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  const int64_t rows = x.size(0), n = x.size(1);
+  dispatch(x, "rms_norm", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* o = ptr<T>(out);
+    const T* in = ptr<T>(x);
+    const T* w = ptr<T>(weight);
+    const int64_t os = out.stride(0), xs = x.stride(0);
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) norm_row(o + r * os, in + r * xs, w, n, float(eps));
+    });
+  });
+}
+
+// residual += x (rounded to the model dtype, as the eager add), then x = RMSNorm(residual):
+// the residual stream and the next layer's normalized input in one pass.
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  const int64_t rows = x.size(0), n = x.size(1);
+  dispatch(x, "fused_add_rms_norm", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* xp = ptr<T>(x);
+    T* rp = ptr<T>(residual);
+    const T* w = ptr<T>(weight);
+    const int64_t xs = x.stride(0), rs = residual.stride(0);
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* __restrict__ xr = xp + r * xs;
+        T* __restrict__ res = rp + r * rs;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) st(res + i, ld(res + i) + ld(xr + i));
+        norm_row(xr, res, w, n, float(eps));
+      }
+    });
+  });
+}
+
+// Rotates the first `heads` heads of each row of qkv in place: x * cos + roll(x, half) * sin, with
+// `sin` carrying rotate_half's sign (see layers/rotary.py). Tables are fp32 [max_pos, head_dim].
+void rotary(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+            const at::Tensor& sin, int64_t heads, int64_t head_dim) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rotary tables must be float32");
+  TORCH_CHECK(positions.scalar_type() == at::kLong, "positions must be int64");
+  const int64_t tokens = qkv.size(0), half = head_dim / 2;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  dispatch(qkv, "rotary", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* base = ptr<T>(qkv);
+    const int64_t stride = qkv.stride(0);
+    const float* cos_table = cos.data_ptr<float>();
+    const float* sin_table = sin.data_ptr<float>();
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* __restrict__ c = cos_table + pos[t] * head_dim;
+        const float* __restrict__ s = sin_table + pos[t] * head_dim;
+        for (int64_t h = 0; h < heads; ++h) {
+          T* __restrict__ x = base + t * stride + h * head_dim;
+#pragma omp simd
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = ld(x + i), b = ld(x + i + half);
+            st(x + i, a * c[i] + b * s[i]);
+            st(x + i + half, b * c[i + half] + a * s[i + half]);
+          }
+        }
+      }
+    });
+  });
+}
+
+// out = silu(gate) * up for x = [gate | up] per row; silu rounded to the model dtype first, as
+// the eager `act(gate) * up` does.
+void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  const int64_t rows = x.size(0), n = out.size(1);
+  TORCH_CHECK(x.size(1) == 2 * n, "x must be [rows, 2 * out columns]");
+  dispatch(x, "silu_and_mul", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* in = ptr<T>(x);
+    T* dst = ptr<T>(out);
+    const int64_t xs = x.stride(0), os = out.stride(0);
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* __restrict__ g = in + r * xs;
+        T* __restrict__ o = dst + r * os;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+          const float v = ld(g + i);
+          st(o + i, rnd<T>(v / (1.f + fast_exp(-v))) * ld(g + n + i));
+        }
+      }
+    });
+  });
+}
+
+// 16 floats as one value (GCC/Clang vector extension): one AVX-512 register here, two or four
+// narrower ones elsewhere. Used where auto-vectorization keeps accumulators in memory.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline f32x16 load16(const bf16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+// Single-token attention for a batch of sequences, reading K and V where they lie in the paged
+// cache: K blocks are [kv_heads, head_dim, block_size] (token-minor, so q.K for 16 tokens of a
+// block is a broadcast multiply-add into one vector with no horizontal sums), V blocks are
+// [block_size, kv_heads, head_dim]. head_dim and block_size are multiples of 16 (the Python side
+// checks). Multiply-adds may fuse here (FMA): attention's summation order differs from SDPA's
+// anyway, and the fused form is both faster and closer to the exact result.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+
+template <typename T>
+struct DecodeArgs {
+  const T* q;
+  const T* k;
+  const T* v;
+  T* out;
+  const int32_t* tables;
+  const int32_t* lengths;
+  int64_t q_batch, q_head, out_batch, out_head, table_width;
+  int64_t kv_heads, block_size, dim, padded;
+  float scale;
+};
+
+// NG query heads (first_head onwards) of sequence b that share KV head kvh: each K and V vector
+// is loaded once for all of them, and NG independent sums hide the multiply-add latency. CHUNKS
+// (head_dim / 16) fixed at compile time keeps the NG output accumulators in registers.
+template <typename T, int NG, int CHUNKS>
+void attend(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t first_head, float* qf,
+            float* scores) {
+  const int64_t dim = a.dim, bs = a.block_size, len = a.lengths[b];
+  const int64_t blocks = (len + bs - 1) / bs, v_row = a.kv_heads * dim;
+  const int32_t* table = a.tables + b * a.table_width;
+  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const f32x16 minus_inf = f32x16{} - INFINITY;
+  for (int g = 0; g < NG; ++g) {
+    const T* src = a.q + b * a.q_batch + (first_head + g) * a.q_head;
+    for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = ld(src + d) * a.scale;
+  }
+  f32x16 top[NG];
+  for (int g = 0; g < NG; ++g) top[g] = minus_inf;
+  for (int64_t j = 0; j < blocks; ++j) {
+    const T* kt = a.k + (table[j] * a.kv_heads + kvh) * dim * bs;
+    for (int64_t c = 0; c < bs; c += 16) {
+      f32x16 s[NG] = {};
+      for (int64_t d = 0; d < dim; ++d) {
+        const f32x16 k = load16(kt + d * bs + c);
+        for (int g = 0; g < NG; ++g) s[g] += qf[g * dim + d] * k;
+      }
+      const int64_t first = j * bs + c;
+      for (int g = 0; g < NG; ++g) {
+        const f32x16 masked = lane < static_cast<float>(len - first) ? s[g] : minus_inf;
+        std::memcpy(scores + g * a.padded + first, &masked, sizeof masked);
+        top[g] = top[g] > masked ? top[g] : masked;
+      }
+    }
+  }
+  float inv[NG];
+  for (int g = 0; g < NG; ++g) {
+    float m = top[g][0];
+    for (int i = 1; i < 16; ++i) m = std::max(m, top[g][i]);
+    float* sg = scores + g * a.padded;
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      sg[t] = fast_exp(sg[t] - m);
+      total += sg[t];
+    }
+    inv[g] = 1.f / total;
+  }
+  const int64_t chunks = CHUNKS > 0 ? CHUNKS : dim / 16;
+  constexpr int kSlots = CHUNKS > 0 ? CHUNKS : 16;  // head_dim <= 256 on the generic path
+  f32x16 acc[NG][kSlots] = {};
+  for (int64_t j = 0; j < blocks; ++j) {
+    const T* vb = a.v + table[j] * bs * v_row + kvh * dim;
+    const int64_t first = j * bs, valid = std::min(bs, len - first);
+    for (int64_t t = 0; t < valid; ++t) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        const f32x16 v = load16(vb + t * v_row + 16 * c);
+        for (int g = 0; g < NG; ++g) acc[g][c] += scores[g * a.padded + first + t] * v;
+      }
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    T* dst = a.out + b * a.out_batch + (first_head + g) * a.out_head;
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int i = 0; i < 16; ++i) st(dst + 16 * c + i, acc[g][c][i] * inv[g]);
+    }
+  }
+}
+
+// Heads of one KV group in passes of at most MAX_NG (as many accumulators as registers allow).
+template <typename T, int CHUNKS, int MAX_NG>
+void attend_group(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t group, float* qf,
+                  float* scores) {
+  for (int64_t h = 0; h < group; h += MAX_NG) {
+    const int64_t first = kvh * group + h;
+    switch (std::min<int64_t>(MAX_NG, group - h)) {
+      case 1: attend<T, 1, CHUNKS>(a, b, kvh, first, qf, scores); break;
+      case 2: if constexpr (MAX_NG >= 2) attend<T, 2, CHUNKS>(a, b, kvh, first, qf, scores); break;
+      case 3: if constexpr (MAX_NG >= 3) attend<T, 3, CHUNKS>(a, b, kvh, first, qf, scores); break;
+      default: if constexpr (MAX_NG >= 4) attend<T, 4, CHUNKS>(a, b, kvh, first, qf, scores);
+    }
+  }
+}
+
+template <typename T, int CHUNKS, int MAX_NG>
+void decode_attention_impl(const DecodeArgs<T>& a, int64_t batch, int64_t group) {
+  at::parallel_for(0, batch * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(MAX_NG * a.dim), scores(MAX_NG * a.padded);
+    for (int64_t item = begin; item < end; ++item) {
+      attend_group<T, CHUNKS, MAX_NG>(a, item / a.kv_heads, item % a.kv_heads, group, qf.data(),
+                                      scores.data());
+    }
+  });
+}
+
+#pragma GCC pop_options
+
+// k_cache: [blocks, kv_heads, head_dim, block_size]; v_cache: [blocks, block_size, kv_heads,
+// head_dim]; block_tables: [batch, width] int32; context_lens: [batch] int32.
+void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                      const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [batch, heads, head_dim]");
+  TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1, "out must be [batch, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be 4-D");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "cache and q dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
+              "block_tables must be contiguous int32");
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt, "context_lens must be int32");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(k_cache.size(3) % 16 == 0 && q.size(2) % 16 == 0 && q.size(2) <= 256,
+              "block size and head size must be multiples of 16, head size at most 256");
+  const int64_t batch = q.size(0), dim = q.size(2), block_size = k_cache.size(3);
+  const int32_t* lengths = context_lens.data_ptr<int32_t>();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, lengths[b]);
+  const int64_t group = q.size(1) / k_cache.size(1);
+  dispatch(q, "decode_attention", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const DecodeArgs<T> a{ptr<T>(q), ptr<T>(k_cache), ptr<T>(v_cache), ptr<T>(out),
+                          block_tables.data_ptr<int32_t>(), lengths,
+                          q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                          block_tables.size(1), k_cache.size(1), block_size, dim,
+                          (longest + block_size - 1) / block_size * block_size,
+                          static_cast<float>(scale)};
+    if (dim == 64) {
+      decode_attention_impl<T, 4, 4>(a, batch, group);
+    } else if (dim == 128) {
+      decode_attention_impl<T, 8, 2>(a, batch, group);
+    } else {
+      decode_attention_impl<T, 0, 1>(a, batch, group);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(qpipe_cpu, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int heads, "
+        "int head_dim) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor context_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(qpipe_cpu, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("fused_add_rms_norm", fused_add_rms_norm);
+  m.impl("rotary", rotary);
+  m.impl("silu_and_mul", silu_and_mul);
+  m.impl("decode_attention", decode_attention);
+}

@@ -1,0 +1,94 @@
+"""The engine's C++ CPU kernels (`qpipe/serve/csrc/cpu_kernels.cpp`), compiled at first use.
+
+They are built with torch's extension builder for the CPU they will run on (`-march=native`), so
+the build directory carries a digest of the source, the compiler flags and the CPU's feature
+flags: a home directory shared between machines never loads a binary built for another CPU. A
+machine without a C++ compiler still serves through the eager torch path, with a warning that
+says what is missing; `QPIPE_CPU_KERNELS=0` asks for the eager path on purpose.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
+CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-fno-trapping-math",
+    "-mprefer-vector-width=512",
+    "-std=c++17",
+]
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_name() -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _cpu_flags().encode()):
+        digest.update(part)
+    return f"qpipe_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
+@functools.cache
+def load() -> bool:
+    """Build (once per machine, ~10 s on 2 cores) and load the kernels; False if they can't be."""
+    if os.environ.get("QPIPE_CPU_KERNELS", "1") == "0":
+        log.info("QPIPE_CPU_KERNELS=0: serving through eager torch ops")
+        return False
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load(
+            name=build_name(),
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError) as err:
+        log.warning(
+            "qpipe's CPU kernels could not be built (%s); serving through eager torch ops, "
+            "which is ~1.5x slower. Install a C++ compiler (g++) and ninja to get them.",
+            str(err).splitlines()[0] if str(err) else type(err).__name__,
+        )
+        return False
+    return True
+
+
+def usable(x: torch.Tensor) -> bool:
+    """True where the kernels handle `x`: a CPU tensor of a dtype they take."""
+    return serves(x.device, x.dtype)
+
+
+def serves(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in DTYPES and load()
+
+
+def decode_attention_fits(head_dim: int, block_size: int) -> bool:
+    """The decode kernel works in vectors of 16 floats along heads and blocks."""
+    return head_dim % 16 == 0 and head_dim <= 256 and block_size % 16 == 0
+
+
+ops = torch.ops.qpipe_cpu

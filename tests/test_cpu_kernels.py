@@ -1,0 +1,168 @@
+"""The C++ CPU kernels against the eager torch ops they replace, on shapes that reach every path
+of them (GQA groups split into passes, head sizes with and without a compiled-in size, block
+sizes above 16, lengths that end mid-block), and the engine's two paths against each other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qpipe.serve.config import EngineConfig
+from qpipe.serve.engine import LLMEngine
+from qpipe.serve.layers import cpu_kernels
+from qpipe.serve.layers.activation import silu_and_mul
+from qpipe.serve.layers.attention import _gather, cache_views
+from qpipe.serve.layers.norm import RMSNorm
+from qpipe.serve.layers.rotary import RotaryTables
+from qpipe.serve.sampling_params import SamplingParams
+
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    assert cpu_kernels.load(), "the CPU kernels must build on the CI machine (g++ is there)"
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(
+        actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 8, 128, 16), (32, 4, 128, 32), (10, 2, 80, 16), (6, 1, 64, 32)],
+)
+def test_decode_attention_equals_sdpa_over_gathered_cache(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    gen = torch.Generator().manual_seed(heads * head_dim + block_size)
+    lengths = torch.tensor([1, 15, 16, 17, 70, 161], dtype=torch.int32)
+    batch, width = len(lengths), -(-int(lengths.max()) // block_size)
+    num_blocks = batch * width + 3
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache, v_cache = cache_views(kv_cache)
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width)
+    tables = tables.to(torch.int32)
+    q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+
+    out = torch.full_like(q, float("nan"))
+    cpu_kernels.ops.decode_attention(out, q, k_cache, v_cache, tables, lengths, scale)
+
+    ks, vs = _gather(k_cache, v_cache, tables)
+    beyond = torch.arange(width * block_size)[None, :] >= lengths[:, None]
+    mask = torch.zeros(beyond.shape).masked_fill_(beyond, float("-inf"))[:, None, None, :]
+    group = heads // kv_heads
+    expected = F.scaled_dot_product_attention(
+        q.float().view(batch, kv_heads, group, head_dim), ks.float(), vs.float(),
+        attn_mask=mask, scale=scale,
+    ).reshape(batch, heads, head_dim)  # fmt: skip
+    close(out, expected, dtype)
+
+
+def test_decode_attention_rejects_a_head_size_off_the_vector_width() -> None:
+    k_cache = torch.zeros(2, 2, 24, 16)
+    q = torch.zeros(1, 2, 24)
+    with pytest.raises(RuntimeError, match="multiples of 16"):
+        cpu_kernels.ops.decode_attention(
+            q.clone(), q, k_cache, k_cache.clone(), torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32), 1.0,
+        )  # fmt: skip
+    assert not cpu_kernels.decode_attention_fits(24, 16)
+    assert not cpu_kernels.decode_attention_fits(64, 8)
+    assert cpu_kernels.decode_attention_fits(80, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_equal_the_eager_norm(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(37, 576, generator=gen) * 3).to(dtype)
+    residual = torch.randn(37, 576, generator=gen).to(dtype)
+    norm = RMSNorm(torch.rand(576, generator=gen).to(dtype) + 0.5, 1e-5)
+
+    plain, stream = norm(x)
+    assert stream is x
+    close(plain, norm._eager(x), dtype)
+
+    expected_stream = residual + x
+    expected = norm._eager(expected_stream)
+    fused, new_stream = norm(x.clone(), residual)
+    assert new_stream is residual  # updated in place, as the layer loop relies on
+    assert torch.equal(new_stream, expected_stream)  # the add rounds exactly as the eager add
+    close(fused, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_equals_the_eager_rotation(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, head_dim, positions = 9, 3, 64, torch.tensor([0, 5, 300, 2047, 7])
+    angles = torch.rand(2048, head_dim // 2, generator=gen) * 6.3
+    emb = torch.cat([angles, angles], dim=-1)
+    sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)])
+    cos_cache, sin_cache = emb.cos(), emb.sin() * sign
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+
+    eager = RotaryTables(
+        positions, cos_cache, sin_cache,
+        cos_cache[positions].unsqueeze(1).to(dtype), sin_cache[positions].unsqueeze(1).to(dtype),
+    )  # fmt: skip
+    expected = eager.apply(qkv, heads, kv_heads, head_dim)
+    kernel = RotaryTables(positions, cos_cache, sin_cache, None, None)
+    actual = kernel.apply(qkv.clone(), heads, kv_heads, head_dim)
+    for a, e in zip(actual, expected, strict=True):
+        close(a, e, dtype)
+    assert torch.equal(actual[2], expected[2])  # V is not rotated
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_equals_the_eager_activation(dtype: torch.dtype) -> None:
+    gate_up = (torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    close(silu_and_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+def test_a_failed_build_falls_back_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert cpu_kernels.load.__wrapped__() is False
+    assert "could not be built" in caplog.text and "eager torch ops" in caplog.text
+    monkeypatch.setenv("QPIPE_CPU_KERNELS", "0")
+    assert cpu_kernels.load.__wrapped__() is False
+
+
+def test_engine_gives_the_same_tokens_with_and_without_kernels(
+    smollm2_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SmolLM2 in fp32, greedy, a batch of decodes and prefills: the kernel path and the eager
+    path (GPU's and a compiler-less machine's) produce the same tokens."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [
+        "The capital of France is",
+        "List three prime numbers:",
+        "In 1969, the first person to walk on the Moon was",
+    ]
+
+    def run() -> tuple[list[list[int]], bool]:
+        config = EngineConfig(
+            model=str(smollm2_checkpoint), dtype="float32", kv_cache_memory_gib=0.05
+        )
+        engine = LLMEngine(config)
+        outputs = engine.generate([engine.tokenizer(p).input_ids for p in prompts], params)
+        stats = engine.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+        return outputs, engine.model_runner.decode_kernel
+
+    with_kernels, used = run()
+    assert used
+    monkeypatch.setattr(cpu_kernels, "load", lambda: False)
+    without, used = run()
+    assert not used
+    assert with_kernels == without
