@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 from pathlib import Path
 
 import torch
@@ -58,6 +59,7 @@ def load() -> bool:
         return False
     from torch.utils import cpp_extension
 
+    _put_ninja_on_path()
     try:
         cpp_extension.load(
             name=build_name(),
@@ -75,6 +77,18 @@ def load() -> bool:
         )
         return False
     return True
+
+
+def _put_ninja_on_path() -> None:
+    """torch calls `ninja` from PATH; the pip-installed one sits in the venv's bin, which is not
+    on PATH when the venv's python is run directly (as `make` does)."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def usable(x: torch.Tensor) -> bool:
