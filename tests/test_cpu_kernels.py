@@ -15,6 +15,7 @@ from qpipe.serve.engine import LLMEngine
 from qpipe.serve.layers import cpu_kernels
 from qpipe.serve.layers.activation import silu_and_mul
 from qpipe.serve.layers.attention import _gather, cache_views
+from qpipe.serve.layers.linear import Int8Linear, quantize_per_token_int8
 from qpipe.serve.layers.norm import RMSNorm
 from qpipe.serve.layers.rotary import RotaryTables
 from qpipe.serve.sampling_params import SamplingParams
@@ -166,3 +167,30 @@ def test_engine_gives_the_same_tokens_with_and_without_kernels(
     without, used = run()
     assert not used
     assert with_kernels == without
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_linear_kernels_equal_the_eager_w8a8_path(dtype: torch.dtype, with_bias: bool) -> None:
+    """Quantization is bit-exact (same scale rule and rounding), the epilogue equal up to the
+    final rounding to the model dtype; an outlier channel as SmolLM2 has one."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(19, 576, generator=gen)
+    x[:, 7] *= 300.0
+    x = x.to(dtype)
+    weight = torch.randint(-127, 128, (192, 576), generator=gen, dtype=torch.int8)
+    weight_scale = torch.rand(192, generator=gen) * 1e-2
+    bias = torch.randn(192, generator=gen) if with_bias else None
+    layer = Int8Linear(weight, weight_scale, bias)
+
+    q = torch.empty(x.shape, dtype=torch.int8)
+    scale = torch.empty(19)
+    cpu_kernels.ops.quantize_per_token_int8(q, scale, x)
+    expected_q, expected_scale = quantize_per_token_int8(x.float())
+    assert torch.equal(q, expected_q)
+    assert torch.equal(scale, expected_scale.view(-1))
+
+    eager = (torch._int_mm(q, weight.t()).float() * expected_scale) * layer.weight_scale
+    if bias is not None:
+        eager += bias
+    close(layer(x), eager.to(dtype), dtype)

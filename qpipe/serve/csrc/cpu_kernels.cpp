@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -193,6 +194,78 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
         for (int64_t i = 0; i < n; ++i) {
           const float v = ld(g + i);
           st(o + i, rnd<T>(v / (1.f + fast_exp(-v))) * ld(g + n + i));
+        }
+      }
+    });
+  });
+}
+
+// Dynamic per-token int8 quantization for W8A8 layers, with compressed-tensors' rule (scale =
+// absmax / 127.5, round half to even, clamp to [-128, 127]) so results match what llm-compressor
+// calibrated against: one pass for the absmax and one to quantize, instead of ~8 eager ops.
+void quantize_per_token_int8(at::Tensor& q, at::Tensor& scales, const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q must be contiguous int8");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+              "scales must be contiguous float32");
+  const int64_t rows = x.size(0), n = x.size(1);
+  dispatch(x, "quantize_per_token_int8", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* in = ptr<T>(x);
+    int8_t* out = q.data_ptr<int8_t>();
+    float* scale = scales.data_ptr<float>();
+    const int64_t xs = x.stride(0);
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* row = in + r * xs;
+        float top = 0.f;
+#pragma omp simd reduction(max : top)
+        for (int64_t i = 0; i < n; ++i) top = std::max(top, std::fabs(ld(row + i)));
+        const float s = std::max(top, std::numeric_limits<float>::min()) / 127.5f;
+        scale[r] = s;
+        int8_t* dst = out + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+          const float v = std::nearbyint(ld(row + i) / s);
+          dst[i] = static_cast<int8_t>(std::min(std::max(v, -128.f), 127.f));
+        }
+      }
+    });
+  });
+}
+
+// out = (acc * row_scale) * col_scale (+ fp32 bias), rounded once to the model dtype: the W8A8
+// epilogue after `torch._int_mm`, in the eager path's order of operations.
+void dequantize_int8_matmul(at::Tensor& out, const at::Tensor& acc, const at::Tensor& row_scales,
+                            const at::Tensor& col_scales, const c10::optional<at::Tensor>& bias) {
+  check_rows(out, "out");
+  TORCH_CHECK(acc.scalar_type() == at::kInt && acc.is_contiguous(), "acc must be contiguous int32");
+  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && col_scales.scalar_type() == at::kFloat,
+              "scales must be float32");
+  const int64_t rows = out.size(0), n = out.size(1);
+  dispatch(out, "dequantize_int8_matmul", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int32_t* a = acc.data_ptr<int32_t>();
+    const float* rs = row_scales.data_ptr<float>();
+    const float* cs = col_scales.data_ptr<float>();
+    const bool has_bias = bias.has_value() && bias->defined();
+    TORCH_CHECK(!has_bias || bias->scalar_type() == at::kFloat, "bias must be float32");
+    const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
+    T* o = ptr<T>(out);
+    const int64_t os = out.stride(0);
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int32_t* src = a + r * n;
+        T* dst = o + r * os;
+        const float s = rs[r];
+        if (b != nullptr) {
+#pragma omp simd
+          for (int64_t i = 0; i < n; ++i) {
+            st(dst + i, static_cast<float>(src[i]) * s * cs[i] + b[i]);
+          }
+        } else {
+#pragma omp simd
+          for (int64_t i = 0; i < n; ++i) st(dst + i, static_cast<float>(src[i]) * s * cs[i]);
         }
       }
     });
@@ -384,6 +457,9 @@ TORCH_LIBRARY(qpipe_cpu, m) {
   m.def("rotary(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, int heads, "
         "int head_dim) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("quantize_per_token_int8(Tensor(a!) q, Tensor(b!) scales, Tensor x) -> ()");
+  m.def("dequantize_int8_matmul(Tensor(a!) out, Tensor acc, Tensor row_scales, "
+        "Tensor col_scales, Tensor? bias) -> ()");
   m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, float scale) -> ()");
 }
@@ -393,5 +469,7 @@ TORCH_LIBRARY_IMPL(qpipe_cpu, CPU, m) {
   m.impl("fused_add_rms_norm", fused_add_rms_norm);
   m.impl("rotary", rotary);
   m.impl("silu_and_mul", silu_and_mul);
+  m.impl("quantize_per_token_int8", quantize_per_token_int8);
+  m.impl("dequantize_int8_matmul", dequantize_int8_matmul);
   m.impl("decode_attention", decode_attention);
 }

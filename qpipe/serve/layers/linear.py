@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qpipe.serve.layers import cpu_kernels
+
 
 class LinearBase(nn.Module):
     kind: ClassVar[str]
@@ -65,8 +67,10 @@ class Int8Linear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        q, scale = quantize_per_token_int8(x2)
+        x2 = x.reshape(-1, x.shape[-1])
+        if cpu_kernels.usable(x2) and x2.stride(-1) == 1:
+            return self._forward_cpu(x2).reshape(*shape, -1)
+        q, scale = quantize_per_token_int8(x2.float())
         rows = q.shape[0]
         if q.is_cuda and rows <= 16:  # cuBLAS int8 GEMM needs M > 16
             q = F.pad(q, (0, 0, 0, 17 - rows))
@@ -76,6 +80,18 @@ class Int8Linear(LinearBase):
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype).reshape(*shape, -1)
+
+    def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """The same arithmetic with quantization and the epilogue as one kernel pass each."""
+        rows = x.shape[0]
+        q = torch.empty(x.shape, dtype=torch.int8)
+        scale = torch.empty(rows, dtype=torch.float32)
+        cpu_kernels.ops.quantize_per_token_int8(q, scale, x)
+        acc = torch._int_mm(q, self.weight.t())
+        y = x.new_empty(rows, acc.shape[1])
+        bias = None if self.bias is None else self.bias.float()
+        cpu_kernels.ops.dequantize_int8_matmul(y, acc, scale, self.weight_scale.view(-1), bias)
+        return y
 
 
 class WeightOnlyLinear(LinearBase):
