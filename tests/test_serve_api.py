@@ -70,18 +70,22 @@ def start_server(
     engine_kwargs = {
         "dtype": "float32", "kv_cache_memory_gib": 0.05, "max_model_len": 256, **engine_kwargs
     }  # fmt: skip
-    engine = LLMEngine(EngineConfig(model=str(checkpoint), **engine_kwargs))  # type: ignore[arg-type]
-    async_engine = AsyncLLMEngine(engine, ServerMetrics(name), max_queue=max_queue)
+    config = EngineConfig(model=str(checkpoint), **engine_kwargs)  # type: ignore[arg-type]
+    async_engine = AsyncLLMEngine(
+        lambda: LLMEngine(config), ServerMetrics(name), max_queue=max_queue
+    )
+    engine = async_engine.engine
     settings = ServerSettings(
         served_model_name=name,
         model_path=str(checkpoint),
         api_key=api_key,
         keepalive_interval_s=keepalive_interval_s,
     )
-    config = uvicorn.Config(
-        build_app(async_engine, settings), host="127.0.0.1", port=0, log_level="warning"
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(async_engine, settings), host="127.0.0.1", port=0, log_level="warning"
+        )
     )
-    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -542,3 +546,28 @@ def test_smollm2_openai_client_end_to_end(smollm2_checkpoint: Path) -> None:
         running.assert_idle()
     finally:
         running.stop()
+
+
+def test_the_engine_is_built_on_its_own_thread_and_load_errors_reach_the_caller(
+    tiny_llama_checkpoint: Path,
+) -> None:
+    """One OS thread loads and steps the model (see AsyncLLMEngine: two OpenMP teams make every
+    parallel op sleep and wake its workers); a load error is raised by the constructor."""
+    built_on: list[threading.Thread] = []
+
+    def make() -> LLMEngine:
+        built_on.append(threading.current_thread())
+        config = EngineConfig(
+            model=str(tiny_llama_checkpoint), dtype="float32", kv_cache_memory_gib=0.01
+        )
+        return LLMEngine(config)
+
+    async_engine = AsyncLLMEngine(make, ServerMetrics("tiny"))
+    assert built_on == [async_engine._thread] and built_on[0] is not threading.current_thread()
+    assert async_engine.engine.model_runner.num_kv_blocks > 0
+
+    def broken() -> LLMEngine:
+        raise ValueError("EngineConfig.max_model_len=9999999 exceeds the checkpoint's limit")
+
+    with pytest.raises(ValueError, match="exceeds the checkpoint"):
+        AsyncLLMEngine(broken, ServerMetrics("broken"))

@@ -104,11 +104,12 @@ def serve(
             gpu_memory_utilization=gpu_memory_utilization,
         )
         with console.status(f"loading {path} on {device}"):
-            engine = LLMEngine(config)
+            async_engine = AsyncLLMEngine(
+                lambda: LLMEngine(config), ServerMetrics(name), max_queue=max_queue
+            )
     except ValueError as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(1) from exc
-    async_engine = AsyncLLMEngine(engine, ServerMetrics(name), max_queue=max_queue)
     settings = ServerSettings(
         served_model_name=name,
         model_path=str(path),
