@@ -194,3 +194,22 @@ def test_int8_linear_kernels_equal_the_eager_w8a8_path(dtype: torch.dtype, with_
     if bias is not None:
         eager += bias
     close(layer(x), eager.to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_fills_the_same_slots_as_the_eager_scatter(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    kv_heads, head_dim, block_size, blocks = 3, 64, 16, 6
+    qkv = torch.randn(7, (9 + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    _, k, v = qkv.view(7, 9 + 2 * kv_heads, head_dim).split([9, kv_heads, kv_heads], 1)
+    slots = torch.tensor([0, 15, 16, 33, 47, 80, 95])
+    kernel = torch.zeros(2, blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    eager = kernel.clone()
+
+    k_cache, v_cache = cache_views(kernel)
+    cpu_kernels.ops.write_kv(k_cache, v_cache, k, v, slots)
+    k_cache, v_cache = cache_views(eager)
+    k_cache.permute(0, 3, 1, 2).index_put_((slots // block_size, slots % block_size), k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    assert torch.equal(kernel, eager)
+    assert kernel.count_nonzero() > 0

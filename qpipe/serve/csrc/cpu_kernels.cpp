@@ -272,6 +272,42 @@ void dequantize_int8_matmul(at::Tensor& out, const at::Tensor& acc, const at::Te
   });
 }
 
+// Writes the new tokens' K and V into their cache slots: K into the token-minor K block layout
+// ([blocks, kv_heads, head_dim, block_size], one strided store per element), V row by row. One
+// call per layer instead of an index_put_ and an index_copy_.
+void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3, "k and v must be [tokens, kv_heads, head_dim]");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) &&
+                  v.stride(1) == v.size(2),
+              "each token's k and v heads must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type(), "k and cache dtypes differ");
+  const int64_t tokens = k.size(0), row = k.size(1) * k.size(2), block_size = k_cache.size(3);
+  const int64_t dim = k.size(2), kv_heads = k.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  dispatch(k, "write_kv", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* ks = ptr<T>(k);
+    const T* vs = ptr<T>(v);
+    T* kc = ptr<T>(k_cache);
+    T* vc = ptr<T>(v_cache);
+    const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+        std::memcpy(vc + slots[t] * row, vs + t * v_stride, row * sizeof(T));
+        const T* src = ks + t * k_stride;
+        T* dst = kc + block * row * block_size + offset;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          for (int64_t d = 0; d < dim; ++d) dst[(h * dim + d) * block_size] = src[h * dim + d];
+        }
+      }
+    });
+  });
+}
+
 // 16 floats as one value (GCC/Clang vector extension): one AVX-512 register here, two or four
 // narrower ones elsewhere. Used where auto-vectorization keeps accumulators in memory.
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -460,6 +496,8 @@ TORCH_LIBRARY(qpipe_cpu, m) {
   m.def("quantize_per_token_int8(Tensor(a!) q, Tensor(b!) scales, Tensor x) -> ()");
   m.def("dequantize_int8_matmul(Tensor(a!) out, Tensor acc, Tensor row_scales, "
         "Tensor col_scales, Tensor? bias) -> ()");
+  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
+        "Tensor slot_mapping) -> ()");
   m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, float scale) -> ()");
 }
@@ -471,5 +509,6 @@ TORCH_LIBRARY_IMPL(qpipe_cpu, CPU, m) {
   m.impl("silu_and_mul", silu_and_mul);
   m.impl("quantize_per_token_int8", quantize_per_token_int8);
   m.impl("dequantize_int8_matmul", dequantize_int8_matmul);
+  m.impl("write_kv", write_kv);
   m.impl("decode_attention", decode_attention);
 }

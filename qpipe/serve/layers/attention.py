@@ -56,8 +56,11 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     k_cache, v_cache = cache_views(kv_cache)
-    k_cache.permute(0, 3, 1, 2).index_put_((meta.slot_blocks, meta.slot_offsets), k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if cpu_kernels.usable(k):
+        cpu_kernels.ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    else:
+        k_cache.permute(0, 3, 1, 2).index_put_((meta.slot_blocks, meta.slot_offsets), k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     out = q.new_empty(q.shape)
     group = num_heads // num_kv_heads
 
