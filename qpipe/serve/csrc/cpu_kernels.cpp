@@ -338,6 +338,11 @@ inline f32x16 load16(const bf16* p) {
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
 template <typename T>
 struct DecodeArgs {
   const T* q;
@@ -370,6 +375,11 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t first_head, 
   for (int g = 0; g < NG; ++g) top[g] = minus_inf;
   for (int64_t j = 0; j < blocks; ++j) {
     const T* kt = a.k + (table[j] * a.kv_heads + kvh) * dim * bs;
+    if (j + 1 < blocks) {  // blocks are scattered: fetch the next one's K and V while this one runs
+      prefetch_bytes(a.k + (table[j + 1] * a.kv_heads + kvh) * dim * bs, dim * bs * sizeof(T));
+      const T* vn = a.v + table[j + 1] * bs * v_row + kvh * dim;
+      for (int64_t t = 0; t < bs; ++t) prefetch_bytes(vn + t * v_row, dim * sizeof(T));
+    }
     for (int64_t c = 0; c < bs; c += 16) {
       f32x16 s[NG] = {};
       for (int64_t d = 0; d < dim; ++d) {
