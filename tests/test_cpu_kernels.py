@@ -15,7 +15,12 @@ from qpipe.serve.engine import LLMEngine
 from qpipe.serve.layers import cpu_kernels
 from qpipe.serve.layers.activation import silu_and_mul
 from qpipe.serve.layers.attention import _gather, cache_views
-from qpipe.serve.layers.linear import Int8Linear, quantize_per_token_int8
+from qpipe.serve.layers.linear import (
+    DenseLinear,
+    Int8Linear,
+    pack_dense_weights,
+    quantize_per_token_int8,
+)
 from qpipe.serve.layers.norm import RMSNorm
 from qpipe.serve.layers.rotary import RotaryTables
 from qpipe.serve.sampling_params import SamplingParams
@@ -213,3 +218,17 @@ def test_write_kv_fills_the_same_slots_as_the_eager_scatter(dtype: torch.dtype) 
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
     assert torch.equal(kernel, eager)
     assert kernel.count_nonzero() > 0
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_onednn_packed_bf16_linear_gives_the_same_bits(rows: int) -> None:
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(960, 576, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(960, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    plain = DenseLinear(weight, bias)
+    expected = plain(x)
+    packed = DenseLinear(weight, bias)
+    assert pack_dense_weights(torch.nn.Sequential(packed), batch_hint=64) == 1
+    assert packed.weight is None and packed.packed is not None
+    assert torch.equal(packed(x), expected)

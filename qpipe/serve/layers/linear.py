@@ -33,14 +33,35 @@ class DenseLinear(LinearBase):
     """16/32-bit weights; also where fp8 weights land on CPU, dequantized once at load."""
 
     kind = "dense"
+    packed: torch.Tensor | None = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
 
+    def pack_for_onednn(self, batch_hint: int) -> None:
+        """bf16 on CPU: the weight in oneDNN's blocked layout, reordered once instead of on every
+        call (measured here: 1.3-1.6x per GEMM for 1-256 rows, the same results bit for bit, no
+        change at 2048 rows). It replaces the plain weight, so memory does not double; a model
+        with packed layers serves, it is not saved."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch_hint)
+        self.weight = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self.packed, self.bias, "none", [], ""
+            )
         return F.linear(x, self.weight, self.bias)
+
+
+def pack_dense_weights(model: nn.Module, batch_hint: int) -> int:
+    """Packs every DenseLinear of a bf16 CPU model for oneDNN; returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, DenseLinear) and m.weight is not None]
+    for layer in layers:
+        layer.pack_for_onednn(batch_hint)
+    return len(layers)
 
 
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
