@@ -125,11 +125,8 @@ class ModelRunner:
             self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim,
             dtype=self.dtype, device=self.device,
         )  # fmt: skip
-        slots = torch.arange(tokens, device=self.device)
         meta = AttentionMetadata(
-            slot_mapping=slots,
-            slot_blocks=slots // self.block_size,
-            slot_offsets=slots % self.block_size,
+            slot_mapping=torch.arange(tokens, device=self.device),
             num_decode_tokens=0,
             decode_block_tables=None,
             decode_context_lens=None,
@@ -208,11 +205,8 @@ class ModelRunner:
                 beyond = torch.arange(width * bs, device=self.device)[None, :] >= context[:, None]
                 mask = torch.zeros(beyond.shape, dtype=self.dtype, device=self.device)
                 mask = mask.masked_fill_(beyond, float("-inf"))[:, None, None, :]
-        slot_mapping = torch.tensor(slots, device=self.device)
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            slot_blocks=slot_mapping // bs,
-            slot_offsets=slot_mapping % bs,
+            slot_mapping=torch.tensor(slots, device=self.device),
             num_decode_tokens=len(decodes),
             decode_block_tables=tables,
             decode_context_lens=context,

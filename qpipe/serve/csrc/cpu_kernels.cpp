@@ -313,7 +313,6 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, con
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 inline f32x16 load16(const float* p) {
   f32x16 v;

@@ -33,8 +33,6 @@ class PrefillSpan:
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
-    slot_blocks: torch.Tensor  # [num_tokens] slot_mapping // block_size
-    slot_offsets: torch.Tensor  # [num_tokens] slot_mapping % block_size
     num_decode_tokens: int  # the first tokens of the batch are single-token queries
     decode_block_tables: torch.Tensor | None  # [decodes, max_blocks] int32, padded with block 0
     decode_context_lens: torch.Tensor | None  # [decodes] int32, the new token included
@@ -59,7 +57,9 @@ def paged_attention(
     if cpu_kernels.usable(k):
         cpu_kernels.ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     else:
-        k_cache.permute(0, 3, 1, 2).index_put_((meta.slot_blocks, meta.slot_offsets), k)
+        block_size = k_cache.shape[3]
+        slots = meta.slot_mapping
+        k_cache.permute(0, 3, 1, 2).index_put_((slots // block_size, slots % block_size), k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     out = q.new_empty(q.shape)
     group = num_heads // num_kv_heads
@@ -117,7 +117,7 @@ def _gather(
     `tables`, for SDPA."""
     batch, width = tables.shape
     _, kv_heads, head_dim, block_size = k_cache.shape
-    flat = tables.flatten().long()
+    flat = tables.flatten()
     ks = k_cache.index_select(0, flat).view(batch, width, kv_heads, head_dim, block_size)
     ks = ks.permute(0, 2, 1, 4, 3).reshape(batch, kv_heads, width * block_size, head_dim)
     vs = v_cache.index_select(0, flat).view(batch, width * block_size, kv_heads, head_dim)
