@@ -217,11 +217,12 @@ class AsyncLLMEngine:
                 except ValueError as exc:
                     self._finish_with(request_id, exc)
             else:
-                self.engine.abort_request(request_id)
+                # counted before the blocks are freed, so an idle engine has every abort on record
                 with self._lock:
                     dropped = self._states.pop(request_id, None)
                 if dropped is not None:
                     self.metrics.request_finished("abort")
+                self.engine.abort_request(request_id)
 
     def _hand_over(self, deliveries: list[tuple[_RequestState, GenerationChunk] | None]) -> None:
         """One wake-up of each event loop per step, not one per request: with 64 streams the
