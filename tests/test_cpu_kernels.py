@@ -18,7 +18,7 @@ from qpipe.serve.layers.attention import _gather, cache_views
 from qpipe.serve.layers.linear import (
     DenseLinear,
     Int8Linear,
-    pack_dense_weights,
+    pack_linear_weights,
     quantize_per_token_int8,
 )
 from qpipe.serve.layers.norm import RMSNorm
@@ -176,9 +176,13 @@ def test_engine_gives_the_same_tokens_with_and_without_kernels(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_int8_linear_kernels_equal_the_eager_w8a8_path(dtype: torch.dtype, with_bias: bool) -> None:
-    """Quantization is bit-exact (same scale rule and rounding), the epilogue equal up to the
-    final rounding to the model dtype; an outlier channel as SmolLM2 has one."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_int8_linear_kernels_equal_the_eager_w8a8_path(
+    dtype: torch.dtype, with_bias: bool, packed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Quantization is bit-exact (same scale rule and rounding); the product, packed for oneDNN or
+    on `_int_mm`, with the kernel epilogue equals the eager rule up to the final rounding to the
+    model dtype; an outlier channel as SmolLM2 has one."""
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(19, 576, generator=gen)
     x[:, 7] *= 300.0
@@ -187,6 +191,9 @@ def test_int8_linear_kernels_equal_the_eager_w8a8_path(dtype: torch.dtype, with_
     weight_scale = torch.rand(192, generator=gen) * 1e-2
     bias = torch.randn(192, generator=gen) if with_bias else None
     layer = Int8Linear(weight, weight_scale, bias)
+    if packed:
+        assert pack_linear_weights(torch.nn.Sequential(layer), batch_hint=32) == 1
+        assert layer.weight is None
 
     q = torch.empty(x.shape, dtype=torch.int8)
     scale = torch.empty(19)
@@ -195,9 +202,11 @@ def test_int8_linear_kernels_equal_the_eager_w8a8_path(dtype: torch.dtype, with_
     assert torch.equal(q, expected_q)
     assert torch.equal(scale, expected_scale.view(-1))
 
-    eager = (torch._int_mm(q, weight.t()).float() * expected_scale) * layer.weight_scale
+    eager = (torch._int_mm(q, weight.t()).float() * layer.weight_scale) * expected_scale
     if bias is not None:
         eager += bias
+    close(layer(x), eager.to(dtype), dtype)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: False)
     close(layer(x), eager.to(dtype), dtype)
 
 
@@ -229,6 +238,6 @@ def test_onednn_packed_bf16_linear_gives_the_same_bits(rows: int) -> None:
     plain = DenseLinear(weight, bias)
     expected = plain(x)
     packed = DenseLinear(weight, bias)
-    assert pack_dense_weights(torch.nn.Sequential(packed), batch_hint=64) == 1
+    assert pack_linear_weights(torch.nn.Sequential(packed), batch_hint=64) == 1
     assert packed.weight is None and packed.packed is not None
     assert torch.equal(packed(x), expected)

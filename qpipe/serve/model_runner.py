@@ -14,7 +14,7 @@ from qpipe.serve.config import EngineConfig
 from qpipe.serve.host_memory import keep_freed_memory
 from qpipe.serve.layers import cpu_kernels
 from qpipe.serve.layers.attention import AttentionMetadata, PrefillSpan
-from qpipe.serve.layers.linear import pack_dense_weights
+from qpipe.serve.layers.linear import pack_linear_weights
 from qpipe.serve.layers.sampler import sample
 from qpipe.serve.loader import load_model, read_config_json, resolve_dtype
 from qpipe.serve.models.llama import head_dim_of
@@ -49,13 +49,9 @@ class ModelRunner:
         max_len = min(config.max_model_len or limit, config.max_model_len_cap)
         torch.manual_seed(config.seed)
         self.model = load_model(path, self.dtype, config.device, max_len)
-        if (
-            config.device == "cpu"
-            and self.dtype is torch.bfloat16
-            and torch.backends.mkldnn.is_available()
-        ):
-            packed = pack_dense_weights(self.model, min(config.max_num_seqs, 256))
-            log.info("%d bf16 linear layers packed for oneDNN", packed)
+        if config.device == "cpu" and torch.backends.mkldnn.is_available():
+            packed = pack_linear_weights(self.model, min(config.max_num_seqs, 256))
+            log.info("%d linear layers packed for oneDNN", packed)
         hf = self.model.config
         eos = raw.get("eos_token_id")
         self.eos_token_ids = frozenset(

@@ -234,20 +234,20 @@ void quantize_per_token_int8(at::Tensor& q, at::Tensor& scales, const at::Tensor
   });
 }
 
-// out = (acc * row_scale) * col_scale (+ fp32 bias), rounded once to the model dtype: the W8A8
-// epilogue after `torch._int_mm`, in the eager path's order of operations.
-void dequantize_int8_matmul(at::Tensor& out, const at::Tensor& acc, const at::Tensor& row_scales,
-                            const at::Tensor& col_scales, const c10::optional<at::Tensor>& bias) {
+// out = x * row_scale (+ fp32 bias), rounded once to the model dtype: the W8A8 epilogue after a
+// GEMM that already applied the per-channel weight scales in fp32.
+void scale_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& row_scales,
+                const c10::optional<at::Tensor>& bias) {
   check_rows(out, "out");
-  TORCH_CHECK(acc.scalar_type() == at::kInt && acc.is_contiguous(), "acc must be contiguous int32");
-  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && col_scales.scalar_type() == at::kFloat,
-              "scales must be float32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32");
+  TORCH_CHECK(row_scales.scalar_type() == at::kFloat, "row_scales must be float32");
   const int64_t rows = out.size(0), n = out.size(1);
-  dispatch(out, "dequantize_int8_matmul", [&](auto* tag) {
+  TORCH_CHECK(x.size(0) == rows && x.size(1) == n && row_scales.numel() == rows,
+              "x, row_scales and out disagree in shape");
+  dispatch(out, "scale_rows", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const int32_t* a = acc.data_ptr<int32_t>();
+    const float* a = x.data_ptr<float>();
     const float* rs = row_scales.data_ptr<float>();
-    const float* cs = col_scales.data_ptr<float>();
     const bool has_bias = bias.has_value() && bias->defined();
     TORCH_CHECK(!has_bias || bias->scalar_type() == at::kFloat, "bias must be float32");
     const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
@@ -255,17 +255,15 @@ void dequantize_int8_matmul(at::Tensor& out, const at::Tensor& acc, const at::Te
     const int64_t os = out.stride(0);
     at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        const int32_t* src = a + r * n;
+        const float* src = a + r * n;
         T* dst = o + r * os;
         const float s = rs[r];
         if (b != nullptr) {
 #pragma omp simd
-          for (int64_t i = 0; i < n; ++i) {
-            st(dst + i, static_cast<float>(src[i]) * s * cs[i] + b[i]);
-          }
+          for (int64_t i = 0; i < n; ++i) st(dst + i, src[i] * s + b[i]);
         } else {
 #pragma omp simd
-          for (int64_t i = 0; i < n; ++i) st(dst + i, static_cast<float>(src[i]) * s * cs[i]);
+          for (int64_t i = 0; i < n; ++i) st(dst + i, src[i] * s);
         }
       }
     });
@@ -503,8 +501,7 @@ TORCH_LIBRARY(qpipe_cpu, m) {
         "int head_dim) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("quantize_per_token_int8(Tensor(a!) q, Tensor(b!) scales, Tensor x) -> ()");
-  m.def("dequantize_int8_matmul(Tensor(a!) out, Tensor acc, Tensor row_scales, "
-        "Tensor col_scales, Tensor? bias) -> ()");
+  m.def("scale_rows(Tensor(a!) out, Tensor x, Tensor row_scales, Tensor? bias) -> ()");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
         "Tensor slot_mapping) -> ()");
   m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
@@ -517,7 +514,7 @@ TORCH_LIBRARY_IMPL(qpipe_cpu, CPU, m) {
   m.impl("rotary", rotary);
   m.impl("silu_and_mul", silu_and_mul);
   m.impl("quantize_per_token_int8", quantize_per_token_int8);
-  m.impl("dequantize_int8_matmul", dequantize_int8_matmul);
+  m.impl("scale_rows", scale_rows);
   m.impl("write_kv", write_kv);
   m.impl("decode_attention", decode_attention);
 }
