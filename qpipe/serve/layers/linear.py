@@ -101,26 +101,20 @@ class Int8Linear(LinearBase):
         )
         self.weight = None
         self.weight_zero_points = torch.zeros(self.weight_scale.numel(), dtype=torch.long)
+        if self.bias is not None:  # added to the fp32 product either way
+            self.bias = self.bias.float()
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        kernels = cpu_kernels.usable(x2) and x2.stride(-1) == 1
-        if kernels:
-            rows = x2.shape[0]
-            q = torch.empty(x2.shape, dtype=torch.int8)
-            scale = torch.empty(rows, 1, dtype=torch.float32)
-            cpu_kernels.ops.quantize_per_token_int8(q, scale.view(-1), x2)
-        else:
-            q, scale = quantize_per_token_int8(x2.float())
-        y = self._scaled_product(q)
-        if kernels:
-            out = x2.new_empty(y.shape)
-            bias = None if self.bias is None else self.bias.float()
-            cpu_kernels.ops.scale_rows(out, y, scale.view(-1), bias)
-            return out.reshape(*shape, -1)
-        y.mul_(scale)
+        if self.packed is not None and cpu_kernels.usable(x2) and x2.stride(-1) == 1:
+            y = cpu_kernels.ops.int8_linear(
+                x2, self.packed, self.weight_scale.view(-1), self.weight_zero_points, self.bias
+            )
+            return y.reshape(*shape, -1)
+        q, scale = quantize_per_token_int8(x2.float())
+        y = self._scaled_product(q).mul_(scale)
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype).reshape(*shape, -1)
