@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from qpipe.serve.config import EngineConfig
 from qpipe.serve.engine import LLMEngine
 from qpipe.serve.layers import cpu_kernels
-from qpipe.serve.layers.activation import silu_and_mul
+from qpipe.serve.layers.activation import gated_mlp, silu_and_mul
 from qpipe.serve.layers.attention import _gather, cache_views
 from qpipe.serve.layers.linear import (
     DenseLinear,
@@ -208,6 +208,31 @@ def test_int8_linear_kernels_equal_the_eager_w8a8_path(
     close(layer(x), eager.to(dtype), dtype)
     monkeypatch.setattr(cpu_kernels, "load", lambda: False)
     close(layer(x), eager.to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_int8_gated_mlp_equals_the_layer_by_layer_path(dtype: torch.dtype) -> None:
+    """The one-call W8A8 MLP keeps the activation in int8 between the projections; it must give
+    the bits of gate_up -> silu_and_mul -> down, each a separate kernel call."""
+    gen = torch.Generator().manual_seed(7)
+
+    def layer(out_features: int, in_features: int) -> Int8Linear:
+        weight = torch.randint(-127, 128, (out_features, in_features), generator=gen)
+        return Int8Linear(
+            weight.to(torch.int8), torch.rand(out_features, generator=gen) * 1e-2, None
+        )
+
+    gate_up, down = layer(2 * 192, 128), layer(128, 192)
+    assert pack_linear_weights(torch.nn.Sequential(gate_up, down), batch_hint=32) == 2
+    x = (torch.randn(37, 128, generator=gen) * 3).to(dtype)
+    x[:, 5] *= 100.0  # an outlier channel
+    with torch.profiler.profile() as profile:
+        fused = gated_mlp(gate_up, down, x)
+    assert "qpipe_cpu::int8_gated_mlp" in {event.name for event in profile.events()}
+    unfused = down(silu_and_mul(gate_up(x)))
+    assert fused.dtype == dtype and fused.shape == (37, 128)
+    assert torch.equal(fused, unfused)
+    assert fused.abs().max() > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

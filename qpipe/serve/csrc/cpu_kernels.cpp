@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -273,6 +274,26 @@ void scale_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& row_scal
   });
 }
 
+// oneDNN's int8 GEMM on a packed weight, (q @ w.T) * weight_scale in fp32.
+at::Tensor int8_product(const at::Tensor& q, const at::Tensor& packed_weight,
+                        const at::Tensor& weight_scale, const at::Tensor& zero_points) {
+  static const c10::OperatorHandle qlinear =
+      c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
+  torch::jit::Stack stack{q,      1.0,     int64_t{0}, packed_weight,       weight_scale,
+                          zero_points, c10::IValue(), 1.0, int64_t{0}, at::ScalarType::Float,
+                          "none", c10::List<c10::optional<at::Scalar>>(), ""};
+  qlinear.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+std::pair<at::Tensor, at::Tensor> quantized(const at::Tensor& x) {
+  const int64_t rows = x.size(0);
+  at::Tensor q = at::empty({rows, x.size(1)}, x.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({rows}, x.options().dtype(at::kFloat));
+  quantize_per_token_int8(q, scales, x);
+  return {q, scales};
+}
+
 // The whole W8A8 layer in one op: quantize per token, oneDNN's int8 GEMM on the packed weight
 // (per-channel weight scales applied in fp32 inside it), then the per-token scale and bias. At
 // decode sizes the three steps take ~10 us each; as three Python-level calls the dispatch and
@@ -281,19 +302,71 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed_weight,
                        const at::Tensor& weight_scale, const at::Tensor& zero_points,
                        const c10::optional<at::Tensor>& bias) {
   check_rows(x, "x");
-  const int64_t rows = x.size(0);
-  at::Tensor q = at::empty({rows, x.size(1)}, x.options().dtype(at::kChar));
-  at::Tensor scales = at::empty({rows}, x.options().dtype(at::kFloat));
-  quantize_per_token_int8(q, scales, x);
-  static const c10::OperatorHandle qlinear =
-      c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
-  torch::jit::Stack stack{q,      1.0,     int64_t{0}, packed_weight,       weight_scale,
-                          zero_points, c10::IValue(), 1.0, int64_t{0}, at::ScalarType::Float,
-                          "none", c10::List<c10::optional<at::Scalar>>(), ""};
-  qlinear.callBoxed(&stack);
-  const at::Tensor product = stack.back().toTensor();
-  at::Tensor out = at::empty({rows, product.size(1)}, x.options());
+  const auto [q, scales] = quantized(x);
+  const at::Tensor product = int8_product(q, packed_weight, weight_scale, zero_points);
+  at::Tensor out = at::empty({x.size(0), product.size(1)}, x.options());
   scale_rows(out, product, scales, bias);
+  return out;
+}
+
+// gate_up's epilogue, the activation and down's quantization in one pass per row: the fp32
+// product [gate | up] times the row's scale, rounded to T as the unfused layer's output is,
+// silu(gate) * up with the roundings of `silu_and_mul`, then quantized per token. Bit for bit the
+// unfused sequence, without its two full-size intermediate tensors.
+template <typename T>
+void silu_and_mul_quantize(at::Tensor& q, at::Tensor& scales, const at::Tensor& product,
+                           const at::Tensor& row_scales) {
+  const int64_t rows = product.size(0), n = product.size(1) / 2;
+  const float* in = product.data_ptr<float>();
+  const float* rs = row_scales.data_ptr<float>();
+  int8_t* out = q.data_ptr<int8_t>();
+  float* scale = scales.data_ptr<float>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> act(n);
+    float* __restrict__ a = act.data();
+    for (int64_t r = begin; r < end; ++r) {
+      const float* __restrict__ g = in + r * 2 * n;
+      const float s = rs[r];
+      float top = 0.f;
+#pragma omp simd reduction(max : top)
+      for (int64_t i = 0; i < n; ++i) {
+        const float gate = rnd<T>(g[i] * s), up = rnd<T>(g[n + i] * s);
+        a[i] = rnd<T>(rnd<T>(gate / (1.f + fast_exp(-gate))) * up);
+        top = std::max(top, std::fabs(a[i]));
+      }
+      const float qs = std::max(top, std::numeric_limits<float>::min()) / 127.5f;
+      scale[r] = qs;
+      int8_t* dst = out + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = std::nearbyint(a[i] / qs);
+        dst[i] = static_cast<int8_t>(std::min(std::max(v, -128.f), 127.f));
+      }
+    }
+  });
+}
+
+// A gated MLP whose two projections are packed W8A8 layers without a gate_up bias (the Llama
+// family): down(silu(gate) * up) with one quantization and one epilogue pass fewer than two
+// `int8_linear` calls around `silu_and_mul`, and the same result.
+at::Tensor int8_gated_mlp(const at::Tensor& x, const at::Tensor& gate_up_weight,
+                          const at::Tensor& gate_up_scale, const at::Tensor& gate_up_zero_points,
+                          const at::Tensor& down_weight, const at::Tensor& down_scale,
+                          const at::Tensor& down_zero_points,
+                          const c10::optional<at::Tensor>& down_bias) {
+  check_rows(x, "x");
+  const auto [q, scales] = quantized(x);
+  const at::Tensor gate_up = int8_product(q, gate_up_weight, gate_up_scale, gate_up_zero_points);
+  const int64_t rows = x.size(0), n = gate_up.size(1) / 2;
+  at::Tensor act_q = at::empty({rows, n}, x.options().dtype(at::kChar));
+  at::Tensor act_scales = at::empty({rows}, x.options().dtype(at::kFloat));
+  dispatch(x, "int8_gated_mlp", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    silu_and_mul_quantize<T>(act_q, act_scales, gate_up, scales);
+  });
+  const at::Tensor down = int8_product(act_q, down_weight, down_scale, down_zero_points);
+  at::Tensor out = at::empty({rows, down.size(1)}, x.options());
+  scale_rows(out, down, act_scales, down_bias);
   return out;
 }
 
@@ -532,6 +605,10 @@ TORCH_LIBRARY(qpipe_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor packed_weight, Tensor weight_scale, Tensor zero_points, "
         "Tensor? bias) -> Tensor",
         int8_linear);
+  m.def("int8_gated_mlp(Tensor x, Tensor gate_up_weight, Tensor gate_up_scale, "
+        "Tensor gate_up_zero_points, Tensor down_weight, Tensor down_scale, "
+        "Tensor down_zero_points, Tensor? down_bias) -> Tensor",
+        int8_gated_mlp);
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
         "Tensor slot_mapping) -> ()");
   m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "

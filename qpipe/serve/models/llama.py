@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from qpipe.serve.layers.activation import silu_and_mul
+from qpipe.serve.layers.activation import gated_mlp
 from qpipe.serve.layers.attention import AttentionMetadata, paged_attention
 from qpipe.serve.layers.linear import DenseLinear, LinearBase
 from qpipe.serve.layers.norm import RMSNorm
@@ -68,7 +68,7 @@ class LlamaDecoderLayer(nn.Module):
         q, k, v = rotary.apply(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
         hidden, residual = self.post_attention_layernorm(self.o_proj(attn), residual)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden))), residual
+        return gated_mlp(self.gate_up_proj, self.down_proj, hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
