@@ -12,7 +12,7 @@ import torch
 
 from qpipe.serve.config import EngineConfig
 from qpipe.serve.host_memory import keep_freed_memory
-from qpipe.serve.layers import cpu_kernels
+from qpipe.serve.layers import cpu_kernels, triton_attention
 from qpipe.serve.layers.attention import AttentionMetadata, PrefillSpan
 from qpipe.serve.layers.linear import pack_linear_weights
 from qpipe.serve.layers.sampler import sample
@@ -60,9 +60,14 @@ class ModelRunner:
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = hf.num_key_value_heads
         self.head_dim = head_dim_of(hf)
-        self.decode_kernel = cpu_kernels.serves(self.device, self.dtype) and (
-            cpu_kernels.decode_attention_fits(self.head_dim, self.block_size)
-        )
+        if self.device.type == "cuda":
+            self.decode_kernel = triton_attention.available() and triton_attention.fits(
+                self.head_dim, self.block_size
+            )
+        else:
+            self.decode_kernel = cpu_kernels.serves(self.device, self.dtype) and (
+                cpu_kernels.decode_attention_fits(self.head_dim, self.block_size)
+            )
         self.num_kv_blocks = self._count_kv_blocks()
         capacity = self.num_kv_blocks * self.block_size
         if capacity < max_len:

@@ -1,11 +1,12 @@
-"""Attention over the paged KV cache: a C++ kernel for decodes on CPU, torch SDPA elsewhere.
+"""Attention over the paged KV cache: paged kernels for decodes (C++ on CPU, Triton on GPU), torch
+SDPA elsewhere.
 
 One layer's cache is one `[2, num_blocks, block_size, kv_heads, head_dim]` allocation; a V block
 is read as `[block_size, kv_heads, head_dim]`, a K block as `[kv_heads, head_dim, block_size]`
 (token-minor, so the decode kernel's q.K over a block needs no horizontal sums). New K/V are
 scattered into their slots first; then
-- all single-token queries (decodes) run as one batch: on CPU the kernel reads their K/V where it
-  lies through the block tables; otherwise (GPU, or no compiler) one SDPA call over a padded
+- all single-token queries (decodes) run as one batch: the kernel reads their K/V where it lies
+  through the block tables; without one (no compiler, no Triton) one SDPA call over a padded
   `[batch, kv_heads, context, head_dim]` gather with a length mask, where the query heads of a KV
   group ride as the query-length axis, so GQA needs no repeated K/V;
 - each multi-token chunk (prefill) runs on its own: fresh prompts attend to their own K/V with a
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from qpipe.serve.layers import cpu_kernels
+from qpipe.serve.layers import cpu_kernels, triton_attention
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,10 @@ def paged_attention(
 
     decodes = meta.num_decode_tokens
     if decodes and meta.decode_mask is None:
-        cpu_kernels.ops.decode_attention(
+        kernel = (
+            triton_attention.decode_attention if q.is_cuda else cpu_kernels.ops.decode_attention
+        )
+        kernel(
             out[:decodes], q[:decodes], k_cache, v_cache,
             meta.decode_block_tables, meta.decode_context_lens, scale,
         )  # fmt: skip
