@@ -69,6 +69,8 @@ inline float fast_exp(float x) {
   return y * scale;
 }
 
+inline float silu(float v) { return v / (1.f + fast_exp(-v)); }
+
 template <typename F>
 void dispatch(const at::Tensor& t, const char* op, F&& body) {
   if (t.scalar_type() == at::kFloat) {
@@ -197,16 +199,32 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) {
           const float v = ld(g + i);
-          st(o + i, rnd<T>(v / (1.f + fast_exp(-v))) * ld(g + n + i));
+          st(o + i, rnd<T>(silu(v)) * ld(g + n + i));
         }
       }
     });
   });
 }
 
-// Dynamic per-token int8 quantization for W8A8 layers, with compressed-tensors' rule (scale =
+// Dynamic per-token int8 quantization of one row with compressed-tensors' rule (scale =
 // absmax / 127.5, round half to even, clamp to [-128, 127]) so results match what llm-compressor
-// calibrated against: one pass for the absmax and one to quantize, instead of ~8 eager ops.
+// calibrated against; returns the scale.
+template <typename S>
+float quantize_row(int8_t* __restrict__ dst, const S* __restrict__ row, int64_t n) {
+  float top = 0.f;
+#pragma omp simd reduction(max : top)
+  for (int64_t i = 0; i < n; ++i) top = std::max(top, std::fabs(ld(row + i)));
+  const float s = std::max(top, std::numeric_limits<float>::min()) / 127.5f;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::nearbyint(ld(row + i) / s);
+    dst[i] = static_cast<int8_t>(std::min(std::max(v, -128.f), 127.f));
+  }
+  return s;
+}
+
+// W8A8 activation quantization, one pass for the absmax and one to quantize per row, instead of
+// ~8 eager ops.
 void quantize_per_token_int8(at::Tensor& q, at::Tensor& scales, const at::Tensor& x) {
   check_rows(x, "x");
   TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q must be contiguous int8");
@@ -220,20 +238,7 @@ void quantize_per_token_int8(at::Tensor& q, at::Tensor& scales, const at::Tensor
     float* scale = scales.data_ptr<float>();
     const int64_t xs = x.stride(0);
     at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const T* row = in + r * xs;
-        float top = 0.f;
-#pragma omp simd reduction(max : top)
-        for (int64_t i = 0; i < n; ++i) top = std::max(top, std::fabs(ld(row + i)));
-        const float s = std::max(top, std::numeric_limits<float>::min()) / 127.5f;
-        scale[r] = s;
-        int8_t* dst = out + r * n;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) {
-          const float v = std::nearbyint(ld(row + i) / s);
-          dst[i] = static_cast<int8_t>(std::min(std::max(v, -128.f), 127.f));
-        }
-      }
+      for (int64_t r = begin; r < end; ++r) scale[r] = quantize_row(out + r * n, in + r * xs, n);
     });
   });
 }
@@ -327,21 +332,12 @@ void silu_and_mul_quantize(at::Tensor& q, at::Tensor& scales, const at::Tensor& 
     for (int64_t r = begin; r < end; ++r) {
       const float* __restrict__ g = in + r * 2 * n;
       const float s = rs[r];
-      float top = 0.f;
-#pragma omp simd reduction(max : top)
-      for (int64_t i = 0; i < n; ++i) {
-        const float gate = rnd<T>(g[i] * s), up = rnd<T>(g[n + i] * s);
-        a[i] = rnd<T>(rnd<T>(gate / (1.f + fast_exp(-gate))) * up);
-        top = std::max(top, std::fabs(a[i]));
-      }
-      const float qs = std::max(top, std::numeric_limits<float>::min()) / 127.5f;
-      scale[r] = qs;
-      int8_t* dst = out + r * n;
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) {
-        const float v = std::nearbyint(a[i] / qs);
-        dst[i] = static_cast<int8_t>(std::min(std::max(v, -128.f), 127.f));
+        const float gate = rnd<T>(g[i] * s), up = rnd<T>(g[n + i] * s);
+        a[i] = rnd<T>(rnd<T>(silu(gate)) * up);
       }
+      scale[r] = quantize_row(out + r * n, a, n);
     }
   });
 }

@@ -133,8 +133,8 @@ class Int8Linear(LinearBase):
         rows = q.shape[0]
         if q.is_cuda and rows <= 16:  # cuBLAS int8 GEMM needs M > 16
             q = F.pad(q, (0, 0, 0, 17 - rows))
-        # NOTE: `_int_mm` gets the [in, out] operand as a transposed view of the row-major
-        # [out, in] weight: measured ~1.5x faster on this CPU than a contiguous [in, out] copy.
+        # GPU, or an unpacked CPU layer. NOTE: `_int_mm` gets the [in, out] operand as a transposed
+        # view of the row-major [out, in] weight: ~1.5x faster on this CPU than a contiguous copy.
         return torch._int_mm(q, self.weight.t())[:rows].float().mul_(self.weight_scale)
 
 
