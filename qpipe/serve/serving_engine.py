@@ -193,8 +193,12 @@ class OpenAIServing:
         unfinished = len(streams)
         try:
             while unfinished:
+                # NOTE: not asyncio.wait_for: on Python 3.11 it returns the item instead of raising
+                # when the task is cancelled in the same loop turn the item arrives, and the
+                # cancelled request then runs to max_tokens for a client that has gone
                 try:
-                    item = await asyncio.wait_for(queue.get(), self.settings.keepalive_interval_s)
+                    async with asyncio.timeout(self.settings.keepalive_interval_s):
+                        item = await queue.get()
                 except TimeoutError:
                     yield None
                     continue
