@@ -53,6 +53,9 @@ def serve(
     gpu_memory_utilization: Annotated[
         float, typer.Option(help="Share of GPU memory for weights + KV cache (GPU).")
     ] = 0.9,
+    enforce_eager: Annotated[
+        bool, typer.Option(help="GPU: no CUDA graphs for decode steps (slower; for debugging).")
+    ] = False,
     api_key: Annotated[
         str | None, typer.Option(envvar="QPIPE_API_KEY", help="Require 'Bearer <key>'.")
     ] = None,
@@ -102,6 +105,7 @@ def serve(
             enable_prefix_caching=enable_prefix_caching,
             kv_cache_memory_gib=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
         )
         with console.status(f"loading {path} on {device}"):
             async_engine = AsyncLLMEngine(

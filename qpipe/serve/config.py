@@ -27,6 +27,7 @@ class EngineConfig:
     kv_cache_memory_gib: float = 2.0
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
+    enforce_eager: bool = False  # GPU: launch decode steps op by op instead of from CUDA graphs
     seed: int = 0
 
     def __post_init__(self) -> None:

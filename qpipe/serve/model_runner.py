@@ -6,11 +6,13 @@ It also owns the KV cache, sized once at start from the memory left after the we
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from qpipe.serve.config import EngineConfig
+from qpipe.serve.decode_graphs import DecodeGraphs
 from qpipe.serve.host_memory import keep_freed_memory
 from qpipe.serve.layers import cpu_kernels, triton_attention
 from qpipe.serve.layers.attention import AttentionMetadata, PrefillSpan
@@ -77,8 +79,10 @@ class ModelRunner:
                 max_len,
             )
         self.max_model_len = min(max_len, capacity)
+        # one block past those the scheduler hands out: the scratch block of padded decode rows
+        self.scratch_block = self.num_kv_blocks
         self.kv_cache = torch.zeros(
-            self.num_layers, 2, self.num_kv_blocks, self.block_size, self.num_kv_heads,
+            self.num_layers, 2, self.num_kv_blocks + 1, self.block_size, self.num_kv_heads,
             self.head_dim, dtype=self.dtype, device=self.device,
         )  # fmt: skip
         log.info(
@@ -87,6 +91,16 @@ class ModelRunner:
             self.num_kv_blocks, self.block_size, self.kv_cache.nbytes / GIB, self.max_model_len,
             capacity / self.max_model_len,
         )  # fmt: skip
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and self.decode_kernel and not config.enforce_eager:
+            self.decode_graphs = self.static_decode(min(config.max_num_seqs, 512))
+            self.decode_graphs.capture()
+
+    def static_decode(self, max_batch: int) -> DecodeGraphs:
+        """Static decode buffers over this runner's model and KV cache: captured into CUDA graphs
+        on a GPU, run as they are elsewhere."""
+        max_blocks = -(-self.max_model_len // self.block_size)
+        return DecodeGraphs(self.model, self.kv_cache, max_batch, max_blocks, self.scratch_block)
 
     @property
     def block_bytes(self) -> int:
@@ -155,30 +169,47 @@ class ModelRunner:
         decodes = [item for item in batch.items if item.num_new_tokens == 1]
         prefills = [item for item in batch.items if item.num_new_tokens > 1]
         ordered = decodes + prefills
-        input_ids, positions, meta = self._prepare(decodes, prefills)
-        ends = torch.tensor([it.num_new_tokens for it in ordered]).cumsum(0) - 1
         sampling = [i for i, it in enumerate(ordered) if it.samples]
+        rows = self._decode_rows(decodes)
+        graphs = self.decode_graphs
+        if not prefills and graphs is not None and graphs.fits(len(decodes), rows.width):
+            logits = graphs.run(
+                torch.tensor(rows.ids), torch.tensor(rows.positions), torch.tensor(rows.slots),
+                torch.tensor(rows.padded_tables(), dtype=torch.int32),
+                torch.tensor(rows.context_lens, dtype=torch.int32),
+            )  # fmt: skip
+            if len(sampling) < len(decodes):
+                logits = logits[torch.tensor(sampling, device=self.device)]
+        else:
+            input_ids, positions, meta = self._prepare(rows, prefills)
+            ends = torch.tensor([it.num_new_tokens for it in ordered]).cumsum(0) - 1
+            logits = self.model(
+                input_ids, positions, self.kv_cache, meta, ends[sampling].to(self.device)
+            )
         if not sampling:
-            self.model(input_ids, positions, self.kv_cache, meta, ends[:0].to(self.device))
             return {}
-        logits_indices = ends[sampling].to(self.device)
-        logits = self.model(input_ids, positions, self.kv_cache, meta, logits_indices)
         seqs = [ordered[i].seq for i in sampling]
         tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         return {s.request_id: (t, lp) for s, t, lp in zip(seqs, tokens, logprobs, strict=True)}
 
-    def _prepare(
-        self, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _decode_rows(self, decodes: list[ScheduledSeq]) -> DecodeRows:
         bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
+        rows = DecodeRows()
         for item in decodes:
             seq, p = item.seq, item.start
-            ids.append(seq.token_ids[p])
-            pos.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            rows.ids.append(seq.token_ids[p])
+            rows.positions.append(p)
+            rows.slots.append(seq.block_table[p // bs] * bs + p % bs)
+            rows.tables.append(seq.block_table)
+            rows.context_lens.append(p + 1)
+        return rows
+
+    def _prepare(
+        self, rows: DecodeRows, prefills: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat inputs of a mixed step: the decode rows first, then each prefill chunk."""
+        bs = self.block_size
+        ids, pos, slots = list(rows.ids), list(rows.positions), list(rows.slots)
         spans = []
         for item in prefills:
             seq, start, n = item.seq, item.start, item.num_new_tokens
@@ -193,28 +224,43 @@ class ModelRunner:
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         tables = context = mask = None
-        if decodes:
-            width = max(len(item.seq.block_table) for item in decodes)
-            padded = [
-                it.seq.block_table + [0] * (width - len(it.seq.block_table)) for it in decodes
-            ]
-            tables = torch.tensor(padded, dtype=torch.int32, device=self.device)
-            context = torch.tensor(
-                [it.start + 1 for it in decodes], dtype=torch.int32, device=self.device
-            )
+        if rows.ids:
+            tables = torch.tensor(rows.padded_tables(), dtype=torch.int32, device=self.device)
+            context = torch.tensor(rows.context_lens, dtype=torch.int32, device=self.device)
             if not self.decode_kernel:
-                beyond = torch.arange(width * bs, device=self.device)[None, :] >= context[:, None]
+                span = torch.arange(rows.width * bs, device=self.device)
+                beyond = span[None, :] >= context[:, None]
                 mask = torch.zeros(beyond.shape, dtype=self.dtype, device=self.device)
                 mask = mask.masked_fill_(beyond, float("-inf"))[:, None, None, :]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=self.device),
-            num_decode_tokens=len(decodes),
+            num_decode_tokens=len(rows.ids),
             decode_block_tables=tables,
             decode_context_lens=context,
             decode_mask=mask,
             prefills=tuple(spans),
         )
         return torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta
+
+
+@dataclass
+class DecodeRows:
+    """The single-token queries of a step, as host lists."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+
+    @property
+    def width(self) -> int:
+        return max((len(t) for t in self.tables), default=0)
+
+    def padded_tables(self) -> list[list[int]]:
+        """Block tables padded with block 0 to one width; nothing reads past a row's length."""
+        width = self.width
+        return [t + [0] * (width - len(t)) for t in self.tables]
 
 
 def _available_host_bytes() -> int | None:
