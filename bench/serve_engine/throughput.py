@@ -2,11 +2,15 @@
 tokens, greedy (issue 6's load shape). Not a test: numbers depend on what else runs on the machine.
 
     .venv/bin/python bench/serve_engine/throughput.py CHECKPOINT_OR_ARTIFACT [--concurrency 32]
+
+`--json FILE` appends the figures as one JSON line (bench/serve_gpu/ collects its table that way).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import statistics
 import time
 
@@ -28,14 +32,20 @@ def main() -> None:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens
     )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--json", help="append the figures to this file as one JSON line")
     args = parser.parse_args()
     engine = LLMEngine(
         EngineConfig(
             model=args.model,
             dtype=args.dtype,
+            device=args.device,
             kv_cache_memory_gib=1.0,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=max(args.concurrency, EngineConfig.max_num_seqs),
+            enforce_eager=args.enforce_eager,
         )
     )
     vocab = len(engine.tokenizer)
@@ -57,15 +67,22 @@ def main() -> None:
     cpu_start = time.process_time()
     if profiler:
         profiler.start()
+    decode_steps: list[float] = []  # steps with nothing admitted: decodes only at this load
     while len(done) < total:
+        admitted = False
         while next_prompt < total and len(added) - len(done) < args.concurrency:
             request_id = str(next_prompt)
             engine.add_request(request_id, prompts[next_prompt], params)
             added[request_id] = time.perf_counter()
             next_prompt += 1
+            admitted = True
+        decode_only = not admitted and engine.stats().num_waiting == 0
+        step_start = time.perf_counter()
         outputs = engine.step()
         steps += 1
         now = time.perf_counter()
+        if decode_only:
+            decode_steps.append(now - step_start)
         for out in outputs:
             first.setdefault(out.request_id, now)
             if out.finished:
@@ -76,15 +93,39 @@ def main() -> None:
         profiler.stop()
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     ttft = sorted(first[r] - added[r] for r in added)
-    tpot = [(done[r] - first[r]) / (args.output_len - 1) for r in added]
+    tpot = sorted((done[r] - first[r]) / (args.output_len - 1) for r in added)
+    figures = {
+        "model": args.model,
+        "device": args.device,
+        "dtype": str(engine.model_runner.dtype).removeprefix("torch."),
+        "cuda_graphs": engine.model_runner.decode_graphs is not None,
+        "concurrency": args.concurrency,
+        "requests": total,
+        "output_tok_s": total * args.output_len / elapsed,
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p99_s": p99(ttft),
+        "tpot_p50_ms": statistics.median(tpot) * 1e3,
+        "tpot_p99_ms": p99(tpot) * 1e3,
+        "steps": steps,
+        "decode_step_p50_ms": statistics.median(decode_steps) * 1e3 if decode_steps else None,
+        "wall_s": elapsed,
+    }
     print(
         f"concurrency {args.concurrency}, {total} requests, {steps} steps, "
-        f"{torch.get_num_threads()} threads: {total * args.output_len / elapsed:.1f} output tok/s, "
-        f"TTFT p50 {statistics.median(ttft):.2f}s p99 {ttft[int(0.99 * (len(ttft) - 1))]:.2f}s, "
-        f"TPOT p50 {statistics.median(tpot) * 1e3:.0f}ms, {elapsed:.1f}s wall, {cpu:.1f}s CPU"
+        f"{torch.get_num_threads()} threads: {figures['output_tok_s']:.1f} output tok/s, "
+        f"TTFT p50 {figures['ttft_p50_s']:.2f}s p99 {figures['ttft_p99_s']:.2f}s, "
+        f"TPOT p50 {figures['tpot_p50_ms']:.0f}ms, {elapsed:.1f}s wall, {cpu:.1f}s CPU"
     )
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(figures) + "\n")
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks, stats
+
+
+def p99(ordered: list[float]) -> float:
+    """Nearest-rank 99th percentile of sorted values."""
+    return ordered[min(len(ordered), math.ceil(0.99 * len(ordered))) - 1]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,72 @@
+"""The H200 table from throughput.py's JSON lines: output tok/s, TTFT and TPOT, and each decode
+step against the memory-bandwidth floor — the bytes a step must read (all weights once, plus the
+K/V of every running sequence at its mean context) over the GPU's copy bandwidth.
+
+    python3 bench/serve_gpu/report.py RESULTS.jsonl CHECKPOINT [--bandwidth-tb-s 4.3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+from transformers import AutoConfig
+
+PROMPT_LEN, OUTPUT_LEN = 128, 64
+
+
+def weight_bytes(checkpoint: Path) -> int:
+    total = 0
+    for path in checkpoint.glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                sl = f.get_slice(name)
+                numel = 1
+                for dim in sl.get_shape():
+                    numel *= dim
+                total += numel * 2  # served in bf16
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("results", type=Path)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--bandwidth-tb-s", type=float, default=4.3)
+    args = parser.parse_args()
+    config = AutoConfig.from_pretrained(args.checkpoint)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
+    weights = weight_bytes(args.checkpoint)
+    mean_context = PROMPT_LEN + OUTPUT_LEN / 2
+    rows = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+    print(
+        f"weights {weights / 1e6:.0f} MB (bf16), K/V {kv_per_token / 1e3:.1f} kB per token; "
+        f"floor = (weights + running x {mean_context:.0f} tokens of K/V) / "
+        f"{args.bandwidth_tb_s} TB/s\n"
+    )
+    print(
+        "| concurrency | CUDA graphs | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
+        "| decode step p50 (ms) | floor (ms) | step / floor |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (not r["cuda_graphs"], r["concurrency"])):
+        floor = (weights + r["concurrency"] * mean_context * kv_per_token) / (
+            args.bandwidth_tb_s * 1e12
+        )
+        step = r["decode_step_p50_ms"]
+        step_cells = "- | - | -"
+        if step:
+            step_cells = f"{step:.3f} | {floor * 1e3:.3f} | {step / (floor * 1e3):.1f}x"
+        print(
+            f"| {r['concurrency']} | {'yes' if r['cuda_graphs'] else 'no'} "
+            f"| {r['output_tok_s']:.0f} "
+            f"| {r['ttft_p50_s'] * 1e3:.1f} / {r['ttft_p99_s'] * 1e3:.1f} "
+            f"| {r['tpot_p50_ms']:.2f} / {r['tpot_p99_ms']:.2f} | {step_cells} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

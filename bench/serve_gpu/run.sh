@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On the lent GPU machine, from the repo root, with .device_model carried (see README.md):
+#   bash bench/serve_gpu/run.sh "$OUT"
+# Everything it measures lands in OUT: env.txt, tests.txt, results.jsonl, table.md.
+set -uo pipefail
+out=${1:?usage: run.sh OUT_DIR}
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+py=python3
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  git log --oneline -1; } > "$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+# random weights in SmolLM2's shapes: bf16 for speed, fp32 where the tests compare tokens
+$py bench/serve_gpu/random_weights.py .device_model /tmp/smollm2-bf16 --dtype bfloat16 || exit 1
+mkdir -p /tmp/qcache
+$py bench/serve_gpu/random_weights.py .device_model /tmp/qcache/smollm2-135m-fp32 --dtype float32 || exit 1
+
+# correctness on the GPU first: CUDA-graph replay vs eager (and the CPU-side tests of the same file)
+QPIPE_TEST_CACHE=/tmp/qcache timeout 180 $py -m pytest -q -p no:cacheprovider \
+  tests/test_decode_graphs.py 2>&1 | tee "$out/tests.txt"
+
+# throughput: issue 6's load (128 in, 64 out, greedy), bf16, graphs on; eager at three points
+for c in 1 8 32 64 128 256; do
+  timeout 60 $py bench/serve_engine/throughput.py /tmp/smollm2-bf16 --device cuda \
+    --dtype bfloat16 --concurrency "$c" --json "$out/results.jsonl"
+done
+for c in 1 32 256; do
+  timeout 60 $py bench/serve_engine/throughput.py /tmp/smollm2-bf16 --device cuda \
+    --dtype bfloat16 --concurrency "$c" --enforce-eager --json "$out/results.jsonl"
+done
+$py bench/serve_gpu/report.py "$out/results.jsonl" /tmp/smollm2-bf16 | tee "$out/table.md"
