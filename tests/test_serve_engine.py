@@ -92,6 +92,32 @@ def test_greedy_matches_transformers_while_other_requests_share_the_batch(
     assert len(tokens["noise-0"]) == len(tokens["noise-1"]) == 20
 
 
+def test_fresh_prompts_of_one_length_attend_in_one_call_and_match_transformers(
+    engine: LLMEngine, hf_model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = encode(
+        engine,
+        "Rivers carve valleys over millions of years, and the sediment they carry builds wide, "
+        "fertile deltas where they finally meet the sea.",
+    )
+    assert len(text) >= 27
+    prompts = [text[i : i + 20] for i in (0, 3, 7)] + [text[:13]]  # three of 20 tokens, one of 13
+    runner = engine.model_runner
+    prepare = runner._prepare
+    spans: list[tuple[int, int, int]] = []
+
+    def recording(*args: object) -> object:
+        prepared = prepare(*args)
+        spans.extend((s.num_seqs, s.num_tokens, s.context_start) for s in prepared[2].prefills)
+        return prepared
+
+    monkeypatch.setattr(runner, "_prepare", recording)
+    outputs = engine.generate(prompts, GREEDY)
+    assert sorted(spans) == [(1, 13, 0), (3, 20, 0)]
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output == hf_greedy(hf_model, prompt, GREEDY.max_tokens)
+
+
 def test_prefix_cache_hits_give_the_same_tokens_and_are_counted(engine: LLMEngine) -> None:
     prompt = encode(engine, SHARED_PREFIX + "What is the boiling point of water?")
     before = engine.stats()

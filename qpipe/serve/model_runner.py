@@ -6,7 +6,7 @@ It also owns the KV cache, sized once at start from the memory left after the we
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -146,7 +146,7 @@ class ModelRunner:
             decode_block_tables=None,
             decode_context_lens=None,
             decode_mask=None,
-            prefills=(PrefillSpan(0, tokens, 0, torch.arange(blocks, device=self.device)),),
+            prefills=(PrefillSpan(0, tokens, 0, None),),
         )
         with torch.inference_mode():
             ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
@@ -167,7 +167,11 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> dict[str, tuple[int, dict[int, float] | None]]:
         """Sampled (token, logprobs) per request id, for sequences whose chunk ends their tokens."""
         decodes = [item for item in batch.items if item.num_new_tokens == 1]
-        prefills = [item for item in batch.items if item.num_new_tokens > 1]
+        # fresh prompts of one length side by side: their attention runs as one batched call
+        prefills = sorted(
+            (item for item in batch.items if item.num_new_tokens > 1),
+            key=lambda it: (it.start > 0, it.num_new_tokens),
+        )
         ordered = decodes + prefills
         sampling = [i for i, it in enumerate(ordered) if it.samples]
         rows = self._decode_rows(decodes)
@@ -207,18 +211,23 @@ class ModelRunner:
     def _prepare(
         self, rows: DecodeRows, prefills: list[ScheduledSeq]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat inputs of a mixed step: the decode rows first, then each prefill chunk."""
+        """Flat inputs of a mixed step: the decode rows first, then each prefill chunk (runs of
+        fresh prompts of one length as one span)."""
         bs = self.block_size
         ids, pos, slots = list(rows.ids), list(rows.positions), list(rows.slots)
         spans = []
         for item in prefills:
             seq, start, n = item.seq, item.start, item.num_new_tokens
-            spans.append(
-                PrefillSpan(
-                    len(ids), n, start,
-                    torch.tensor(seq.block_table[: -(-(start + n) // bs)], device=self.device),
+            last = spans[-1] if spans else None
+            if start == 0 and last and last.context_start == 0 and last.num_tokens == n:
+                spans[-1] = replace(last, num_seqs=last.num_seqs + 1)
+            elif start == 0:
+                spans.append(PrefillSpan(len(ids), n, 0, None))
+            else:
+                covering = seq.block_table[: -(-(start + n) // bs)]
+                spans.append(
+                    PrefillSpan(len(ids), n, start, torch.tensor(covering, device=self.device))
                 )
-            )  # fmt: skip
             ids.extend(seq.token_ids[start : start + n])
             pos.extend(range(start, start + n))
             table = seq.block_table
