@@ -9,8 +9,9 @@ scattered into their slots first; then
   through the block tables; without one (no compiler, no Triton) one SDPA call over a padded
   `[batch, kv_heads, context, head_dim]` gather with a length mask, where the query heads of a KV
   group ride as the query-length axis, so GQA needs no repeated K/V;
-- each multi-token chunk (prefill) runs on its own: fresh prompts attend to their own K/V with a
-  causal mask, chunks after cached context gather that context from the cache first.
+- multi-token chunks (prefills): fresh prompts attend to their own K/V with a causal mask, those
+  of one length batched into one call; chunks after cached context run one by one and gather
+  that context from the cache first.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from qpipe.serve.layers import cpu_kernels, triton_attention
 @dataclass(frozen=True)
 class PrefillSpan:
     """One prefill chunk, or `num_seqs` whole fresh prompts of equal length laid out one after
-    another, which attend in one batched SDPA call (measured here: 16 prompts of 128 tokens, bf16,
-    ~4x faster than 16 calls)."""
+    another, which attend in one batched SDPA call instead of one call (and its slicing) each:
+    a step of 16 fresh 128-token prompts in bf16 took 5 % less time here."""
 
     token_start: int  # offset of the chunk in the flat batch of tokens
     num_tokens: int  # per sequence
