@@ -26,7 +26,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(args.shape)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
+    # NOTE: `.to()` rather than from_config's dtype keyword, whose name changed across versions
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, args.dtype))
     tmp = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
