@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 
 import torch
 
+from qpipe.bench.metrics import Distribution
 from qpipe.serve.config import EngineConfig
 from qpipe.serve.engine import LLMEngine
 from qpipe.serve.sampling_params import SamplingParams
@@ -92,8 +92,9 @@ def main() -> None:
     if profiler:
         profiler.stop()
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    ttft = sorted(first[r] - added[r] for r in added)
-    tpot = sorted((done[r] - first[r]) / (args.output_len - 1) for r in added)
+    # the same definitions as `qpipe bench` and `vllm bench serve`
+    ttft = Distribution.of([first[r] - added[r] for r in added])
+    tpot = Distribution.of([(done[r] - first[r]) / (args.output_len - 1) for r in added])
     figures = {
         "model": args.model,
         "device": args.device,
@@ -102,10 +103,10 @@ def main() -> None:
         "concurrency": args.concurrency,
         "requests": total,
         "output_tok_s": total * args.output_len / elapsed,
-        "ttft_p50_s": statistics.median(ttft),
-        "ttft_p99_s": p99(ttft),
-        "tpot_p50_ms": statistics.median(tpot) * 1e3,
-        "tpot_p99_ms": p99(tpot) * 1e3,
+        "ttft_p50_s": ttft.median / 1e3,
+        "ttft_p99_s": ttft.percentiles[99] / 1e3,
+        "tpot_p50_ms": tpot.median,
+        "tpot_p99_ms": tpot.percentiles[99],
         "steps": steps,
         "decode_step_p50_ms": statistics.median(decode_steps) * 1e3 if decode_steps else None,
         "wall_s": elapsed,
@@ -121,11 +122,6 @@ def main() -> None:
             f.write(json.dumps(figures) + "\n")
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks, stats
-
-
-def p99(ordered: list[float]) -> float:
-    """Nearest-rank 99th percentile of sorted values."""
-    return ordered[min(len(ordered), math.ceil(0.99 * len(ordered))) - 1]
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from safetensors import safe_open
@@ -22,11 +23,7 @@ def weight_bytes(checkpoint: Path) -> int:
     for path in checkpoint.glob("*.safetensors"):
         with safe_open(path, "pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                sl = f.get_slice(name)
-                numel = 1
-                for dim in sl.get_shape():
-                    numel *= dim
-                total += numel * 2  # served in bf16
+                total += math.prod(f.get_slice(name).get_shape()) * 2  # served in bf16
     return total
 
 

@@ -46,20 +46,19 @@ class DecodeGraphs:
         self.kv_cache = kv_cache
         self.buckets = batch_buckets(max_batch)
         self.max_blocks_per_seq = max_blocks_per_seq
-        block_size = kv_cache.shape[3]
+        self._scratch_block = scratch_block
+        self._scratch_slot = scratch_block * kv_cache.shape[3]  # its first slot
         device = kv_cache.device
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.slot_mapping = torch.full(
-            (max_batch,), scratch_block * block_size, dtype=torch.long, device=device
+            (max_batch,), self._scratch_slot, dtype=torch.long, device=device
         )
         self.block_tables = torch.full(
             (max_batch, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device
         )
         self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(max_batch, device=device)
-        self._scratch_slot = scratch_block * block_size
-        self._scratch_block = scratch_block
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
 

@@ -237,8 +237,8 @@ class ModelRunner:
             tables = torch.tensor(rows.padded_tables(), dtype=torch.int32, device=self.device)
             context = torch.tensor(rows.context_lens, dtype=torch.int32, device=self.device)
             if not self.decode_kernel:
-                span = torch.arange(rows.width * bs, device=self.device)
-                beyond = span[None, :] >= context[:, None]
+                offsets = torch.arange(rows.width * bs, device=self.device)
+                beyond = offsets[None, :] >= context[:, None]
                 mask = torch.zeros(beyond.shape, dtype=self.dtype, device=self.device)
                 mask = mask.masked_fill_(beyond, float("-inf"))[:, None, None, :]
         meta = AttentionMetadata(
