@@ -85,12 +85,17 @@ def test_decode_attention_rejects_a_head_size_off_the_vector_width() -> None:
     assert cpu_kernels.decode_attention_fits(80, 32)
 
 
+# Widths that are and are not a multiple of the kernels' 16-float vectors (their scalar tails).
+WIDTHS = [576, 100]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norms_equal_the_eager_norm(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("width", WIDTHS)
+def test_norms_equal_the_eager_norm(dtype: torch.dtype, width: int) -> None:
     gen = torch.Generator().manual_seed(1)
-    x = (torch.randn(37, 576, generator=gen) * 3).to(dtype)
-    residual = torch.randn(37, 576, generator=gen).to(dtype)
-    norm = RMSNorm(torch.rand(576, generator=gen).to(dtype) + 0.5, 1e-5)
+    x = (torch.randn(37, width, generator=gen) * 3).to(dtype)
+    residual = torch.randn(37, width, generator=gen).to(dtype)
+    norm = RMSNorm(torch.rand(width, generator=gen).to(dtype) + 0.5, 1e-5)
 
     plain, stream = norm(x)
     assert stream is x
@@ -105,9 +110,10 @@ def test_norms_equal_the_eager_norm(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_equals_the_eager_rotation(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_rotary_equals_the_eager_rotation(dtype: torch.dtype, head_dim: int) -> None:
     gen = torch.Generator().manual_seed(2)
-    heads, kv_heads, head_dim, positions = 9, 3, 64, torch.tensor([0, 5, 300, 2047, 7])
+    heads, kv_heads, positions = 9, 3, torch.tensor([0, 5, 300, 2047, 7])
     angles = torch.rand(2048, head_dim // 2, generator=gen) * 6.3
     emb = torch.cat([angles, angles], dim=-1)
     sign = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)])
@@ -127,8 +133,10 @@ def test_rotary_equals_the_eager_rotation(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_and_mul_equals_the_eager_activation(dtype: torch.dtype) -> None:
-    gate_up = (torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+@pytest.mark.parametrize("width", [1536, 100])
+def test_silu_and_mul_equals_the_eager_activation(dtype: torch.dtype, width: int) -> None:
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(33, 2 * width, generator=gen) * 4).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     close(silu_and_mul(gate_up), F.silu(gate) * up, dtype)
 
@@ -211,7 +219,10 @@ def test_int8_linear_kernels_equal_the_eager_w8a8_path(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_int8_gated_mlp_equals_the_layer_by_layer_path(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("hidden", "intermediate"), [(128, 192), (120, 200)])
+def test_fused_int8_gated_mlp_equals_the_layer_by_layer_path(
+    dtype: torch.dtype, hidden: int, intermediate: int
+) -> None:
     """The one-call W8A8 MLP keeps the activation in int8 between the projections; it must give
     the bits of gate_up -> silu_and_mul -> down, each a separate kernel call."""
     gen = torch.Generator().manual_seed(7)
@@ -222,15 +233,15 @@ def test_fused_int8_gated_mlp_equals_the_layer_by_layer_path(dtype: torch.dtype)
             weight.to(torch.int8), torch.rand(out_features, generator=gen) * 1e-2, None
         )
 
-    gate_up, down = layer(2 * 192, 128), layer(128, 192)
+    gate_up, down = layer(2 * intermediate, hidden), layer(hidden, intermediate)
     assert pack_linear_weights(torch.nn.Sequential(gate_up, down), batch_hint=32) == 2
-    x = (torch.randn(37, 128, generator=gen) * 3).to(dtype)
+    x = (torch.randn(37, hidden, generator=gen) * 3).to(dtype)
     x[:, 5] *= 100.0  # an outlier channel
     with torch.profiler.profile() as profile:
         fused = gated_mlp(gate_up, down, x)
     assert "qpipe_cpu::int8_gated_mlp" in {event.name for event in profile.events()}
     unfused = down(silu_and_mul(gate_up(x)))
-    assert fused.dtype == dtype and fused.shape == (37, 128)
+    assert fused.dtype == dtype and fused.shape == (37, hidden)
     assert torch.equal(fused, unfused)
     assert fused.abs().max() > 0
 

@@ -21,8 +21,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -50,26 +55,133 @@ inline float rnd(float v) {
   return ld(&t);
 }
 
+// 16 floats as one value (GCC/Clang vector extension): one AVX-512 register here, two or four
+// narrower ones elsewhere. Used where auto-vectorization keeps accumulators in memory, and where
+// the bf16 rounding below has a native instruction that GCC does not emit on its own.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+// bf16 bits to floats. GCC splits the generic widening into four instructions; AVX-512 has one.
+inline f32x16 widen(u16x16 h) {
+#if defined(__AVX512F__)
+  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(h)), 16);
+#else
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+#endif
+  f32x16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+inline f32x16 load16(const bf16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  return widen(h);
+}
+// 16 floats rounded to bf16 bits. With AVX512-BF16 one instruction instead of seven (measured
+// here per 2048-token layer in bf16: SiLU * up 2.5 -> 1.7 ms, residual add + RMSNorm 0.36 ->
+// 0.27 ms), the same round-to-nearest-even as `st` except that it flushes subnormals
+// (|v| < 1.2e-38) to zero and keeps a NaN's sign and payload; elsewhere `st`'s integer rule.
+inline u16x16 to_bf16(f32x16 v) {
+#if defined(__AVX512BF16__)
+  u16x16 h;
+  const auto packed = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(v));
+  std::memcpy(&h, &packed, sizeof h);
+  return h;
+#else
+  u32x16 u;
+  std::memcpy(&u, &v, sizeof u);
+  const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const u32x16 nan = u32x16{} + 0x7fc0u;
+  return __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded, u16x16);
+#endif
+}
+inline void st(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+inline void st(bf16* p, f32x16 v) {
+  const u16x16 h = to_bf16(v);
+  std::memcpy(p, &h, sizeof h);
+}
+template <typename T>
+inline f32x16 rnd(f32x16 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return widen(to_bf16(v));
+  }
+}
+
+// One float or 16 of them from memory, so that one generic loop body (`for_lanes`) serves the
+// vector part of a row and its scalar tail.
+template <typename V, typename T>
+inline V load(const T* p) {
+  if constexpr (std::is_same_v<V, float>) {
+    return ld(p);
+  } else {
+    return load16(p);
+  }
+}
+
+// body(i, lane) over [0, n): 16 elements at a time with `lane` an f32x16, then one at a time with
+// `lane` a float; the body reads its type to pick the loads.
+template <typename Body>
+inline void for_lanes(int64_t n, Body&& body) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) body(i, f32x16{});
+  for (; i < n; ++i) body(i, 0.f);
+}
+
+inline float clamp(float x, float lo, float hi) { return std::min(std::max(x, lo), hi); }
+inline f32x16 clamp(f32x16 x, float lo, float hi) {
+  x = x < lo ? f32x16{} + lo : x;
+  return x > hi ? f32x16{} + hi : x;
+}
+inline float floor_small(float x) { return std::floor(x); }
+// floor for |x| < 2^31 (exp's range reduction), where truncation to int is exact.
+inline f32x16 floor_small(f32x16 x) {
+  const f32x16 t = __builtin_convertvector(__builtin_convertvector(x, i32x16), f32x16);
+  return t > x ? t - 1.f : t;
+}
+inline float exponent_scale(float n) {
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return scale;
+}
+inline f32x16 exponent_scale(f32x16 n) {
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return scale;
+}
+
 // exp for softmax and SiLU: Cephes' range reduction and polynomial (about 1 ulp), written without
-// calls so loops over it vectorize; std::exp would run one element at a time.
-inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.3f), 88.7f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
+// calls so loops over it vectorize; std::exp would run one element at a time. Scalar and vector
+// forms give the same bits.
+template <typename V>
+inline V fast_exp(V x) {
+  x = clamp(x, -87.3f, 88.7f);
+  const V n = floor_small(x * 1.44269504088896341f + 0.5f);
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
+  const V y = p * r * r + r + 1.0f;
+  return y * exponent_scale(n);
 }
 
-inline float silu(float v) { return v / (1.f + fast_exp(-v)); }
+template <typename V>
+inline V silu(V v) {
+  return v / (1.f + fast_exp(-v));
+}
 
 template <typename F>
 void dispatch(const at::Tensor& t, const char* op, F&& body) {
@@ -102,8 +214,10 @@ void norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
     sum += v * v;
   }
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) st(out + i, ld(w + i) * rnd<T>(ld(x + i) * inv));
+  for_lanes(n, [&](int64_t i, auto lane) {
+    using V = decltype(lane);
+    st(out + i, load<V>(w + i) * rnd<T>(load<V>(x + i) * inv));
+  });
 }
 
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -138,8 +252,10 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
       for (int64_t r = begin; r < end; ++r) {
         T* __restrict__ xr = xp + r * xs;
         T* __restrict__ res = rp + r * rs;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) st(res + i, ld(res + i) + ld(xr + i));
+        for_lanes(n, [&](int64_t i, auto lane) {
+          using V = decltype(lane);
+          st(res + i, load<V>(res + i) + load<V>(xr + i));
+        });
         norm_row(xr, res, w, n, float(eps));
       }
     });
@@ -168,12 +284,12 @@ void rotary(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
         const float* __restrict__ s = sin_table + pos[t] * head_dim;
         for (int64_t h = 0; h < heads; ++h) {
           T* __restrict__ x = base + t * stride + h * head_dim;
-#pragma omp simd
-          for (int64_t i = 0; i < half; ++i) {
-            const float a = ld(x + i), b = ld(x + i + half);
-            st(x + i, a * c[i] + b * s[i]);
-            st(x + i + half, b * c[i + half] + a * s[i + half]);
-          }
+          for_lanes(half, [&](int64_t i, auto lane) {
+            using V = decltype(lane);
+            const V a = load<V>(x + i), b = load<V>(x + i + half);
+            st(x + i, a * load<V>(c + i) + b * load<V>(s + i));
+            st(x + i + half, b * load<V>(c + i + half) + a * load<V>(s + i + half));
+          });
         }
       }
     });
@@ -196,11 +312,10 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
       for (int64_t r = begin; r < end; ++r) {
         const T* __restrict__ g = in + r * xs;
         T* __restrict__ o = dst + r * os;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) {
-          const float v = ld(g + i);
-          st(o + i, rnd<T>(silu(v)) * ld(g + n + i));
-        }
+        for_lanes(n, [&](int64_t i, auto lane) {
+          using V = decltype(lane);
+          st(o + i, rnd<T>(silu(load<V>(g + i))) * load<V>(g + n + i));
+        });
       }
     });
   });
@@ -268,11 +383,14 @@ void scale_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& row_scal
         T* dst = o + r * os;
         const float s = rs[r];
         if (b != nullptr) {
-#pragma omp simd
-          for (int64_t i = 0; i < n; ++i) st(dst + i, src[i] * s + b[i]);
+          for_lanes(n, [&](int64_t i, auto lane) {
+            using V = decltype(lane);
+            st(dst + i, load<V>(src + i) * s + load<V>(b + i));
+          });
         } else {
-#pragma omp simd
-          for (int64_t i = 0; i < n; ++i) st(dst + i, src[i] * s);
+          for_lanes(n, [&](int64_t i, auto lane) {
+            st(dst + i, load<decltype(lane)>(src + i) * s);
+          });
         }
       }
     });
@@ -332,11 +450,11 @@ void silu_and_mul_quantize(at::Tensor& q, at::Tensor& scales, const at::Tensor& 
     for (int64_t r = begin; r < end; ++r) {
       const float* __restrict__ g = in + r * 2 * n;
       const float s = rs[r];
-#pragma omp simd
-      for (int64_t i = 0; i < n; ++i) {
-        const float gate = rnd<T>(g[i] * s), up = rnd<T>(g[n + i] * s);
-        a[i] = rnd<T>(rnd<T>(silu(gate)) * up);
-      }
+      for_lanes(n, [&](int64_t i, auto lane) {
+        using V = decltype(lane);
+        const V gate = rnd<T>(load<V>(g + i) * s), up = rnd<T>(load<V>(g + n + i) * s);
+        st(a + i, rnd<T>(rnd<T>(silu(gate)) * up));
+      });
       scale[r] = quantize_row(out + r * n, a, n);
     }
   });
@@ -400,26 +518,6 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, con
       }
     });
   });
-}
-
-// 16 floats as one value (GCC/Clang vector extension): one AVX-512 register here, two or four
-// narrower ones elsewhere. Used where auto-vectorization keeps accumulators in memory.
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline f32x16 load16(const bf16* p) {
-  u16x16 h;
-  std::memcpy(&h, p, sizeof h);
-  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
 }
 
 // Single-token attention for a batch of sequences, reading K and V where they lie in the paged
@@ -516,7 +614,7 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t first_head, 
   for (int g = 0; g < NG; ++g) {
     T* dst = a.out + b * a.out_batch + (first_head + g) * a.out_head;
     for (int64_t c = 0; c < chunks; ++c) {
-      for (int i = 0; i < 16; ++i) st(dst + 16 * c + i, acc[g][c][i] * inv[g]);
+      st(dst + 16 * c, acc[g][c] * inv[g]);
     }
   }
 }
