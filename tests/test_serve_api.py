@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,11 +23,12 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from qpipe.serve.api import ServerSettings, build_app
-from qpipe.serve.async_engine import AsyncLLMEngine
+from qpipe.serve.async_engine import AsyncLLMEngine, QueueFullError
 from qpipe.serve.config import EngineConfig
 from qpipe.serve.detokenizer import IncrementalDetokenizer
 from qpipe.serve.engine import LLMEngine
 from qpipe.serve.metrics import ServerMetrics
+from qpipe.serve.sampling_params import SamplingParams
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -101,6 +103,14 @@ def tiny_server(tiny_llama_checkpoint: Path) -> Iterator[RunningServer]:
     running = start_server(tiny_llama_checkpoint, max_num_seqs=64)
     yield running
     running.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_blocks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test on the shared server leaves it holding no request and no KV block."""
+    yield
+    if "tiny_server" in request.fixturenames:
+        request.getfixturevalue("tiny_server").assert_idle()
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -272,6 +282,9 @@ BAD_INPUTS = [
      "max_tokens"),
     ("max_tokens negative", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, AUTH, 400, "max_tokens"),
+    ("max_completion_tokens zero", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, AUTH, 400,
+     "max_completion_tokens"),
     ("prompt too long", "/v1/completions", {"prompt": LONG_PROMPT}, AUTH, 400, "prompt"),
     ("prompt + max_tokens too long", "/v1/completions", {"prompt": "hi", "max_tokens": 1000},
      AUTH, 400, "max_tokens"),
@@ -462,6 +475,32 @@ def test_queue_full_gets_503_with_retry_after(tiny_llama_checkpoint: Path) -> No
         running.stop()
 
 
+def test_max_queue_counts_requests_taken_in_since_the_last_step(
+    tiny_llama_checkpoint: Path,
+) -> None:
+    """Requests the engine thread moved into the engine's waiting queue count against
+    --max-queue at once, not only when the next step's stats arrive (a step can take 0.4 s)."""
+    config = EngineConfig(
+        model=str(tiny_llama_checkpoint), dtype="float32", kv_cache_memory_gib=0.01
+    )
+    async_engine = AsyncLLMEngine(lambda: LLMEngine(config), ServerMetrics("tiny"), max_queue=2)
+    params = SamplingParams(max_tokens=4)
+
+    async def fill() -> None:
+        async_engine.add_request("a", [100, 101], params)
+        async_engine.add_request("b", [102, 103], params)
+        # not started, so the engine thread waits: apply its commands here, as a step would
+        async_engine._apply_commands()
+        assert async_engine.engine.stats().num_waiting == 2
+        with pytest.raises(QueueFullError, match="2 requests are waiting"):
+            async_engine.add_request("c", [104, 105], params)
+        await async_engine.shutdown(drain_timeout_s=0)
+
+    asyncio.run(fill())
+    stats = async_engine.engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
 def test_keepalives_and_graceful_shutdown_drain(tiny_llama_checkpoint: Path) -> None:
     # NOTE: a 1 ms keep-alive interval is shorter than any engine step, so comments must appear
     running = start_server(tiny_llama_checkpoint, keepalive_interval_s=0.001)
@@ -494,7 +533,7 @@ def test_serve_command_binds_localhost_and_exits_cleanly(tiny_llama_checkpoint: 
     command = "import typer; from qpipe.serve.cli import serve; typer.run(serve)"
     args = [str(tiny_llama_checkpoint), "--port", str(port), "--served-model-name", "cli-tiny"]
     args += ["--kv-cache-memory", "0.05", "--max-model-len", "128"]
-    env = {**os.environ, "QPIPE_API_KEY": API_KEY}
+    env = {**os.environ, "QPIPE_API_KEY": API_KEY, "COLUMNS": "400"}  # log lines unwrapped
     proc = subprocess.Popen([sys.executable, "-c", command, *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     try:
@@ -511,13 +550,36 @@ def test_serve_command_binds_localhost_and_exits_cleanly(tiny_llama_checkpoint: 
         models = httpx.get(f"{url}/v1/models", headers=AUTH).json()
         assert models["data"][0]["id"] == "cli-tiny"
         assert models["data"][0]["max_model_len"] == 128
+        outside = _non_loopback_address()
+        if outside is not None:  # bound to 127.0.0.1 only: the host's own address is refused
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"http://{outside}:{port}/health", timeout=5)
     finally:
         proc.send_signal(signal.SIGTERM)
         output = proc.communicate(timeout=30)[0]
     # NOTE: uvicorn re-raises the signal it caught once its graceful shutdown is done
     assert proc.returncode in (0, -signal.SIGTERM), output
     assert "Application shutdown complete" in output
-    assert "KV cache" in output, "the KV-cache size is logged"
+    logged = re.search(
+        r"KV cache: (\d+) blocks of 16 tokens \(([\d.]+) GiB\); max concurrency at "
+        r"max_model_len 128: ([\d.]+)",
+        output,
+    )
+    assert logged, f"the KV-cache size is logged: {output}"
+    blocks, gib, concurrency = int(logged[1]), float(logged[2]), float(logged[3])
+    assert blocks > 0 and 0 < gib <= 0.05 + 0.005  # --kv-cache-memory 0.05, plus the scratch block
+    assert concurrency == pytest.approx(blocks * 16 / 128, abs=0.05)
+
+
+def _non_loopback_address() -> str | None:
+    """This host's address on its default route, if it has one (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
 
 
 # ---- the real model ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from qpipe.serve.layers.sampler import sample
@@ -44,3 +45,9 @@ def test_logprobs_hold_the_chosen_and_the_top_tokens() -> None:
     assert set(entry) == set(expected.topk(3).indices.tolist()) and tokens[0] in entry
     for token, value in entry.items():
         assert abs(value - expected[token].item()) < 1e-5
+
+
+def test_top_k_zero_means_off_and_below_minus_one_is_refused() -> None:
+    assert SamplingParams(top_k=0) == SamplingParams(top_k=-1)
+    with pytest.raises(ValueError, match="top_k must be -1 or 0"):
+        SamplingParams(top_k=-2)

@@ -216,6 +216,9 @@ class AsyncLLMEngine:
                     self.engine.add_request(request_id, prompt_token_ids, params)
                 except ValueError as exc:
                     self._finish_with(request_id, exc)
+                else:  # waiting from now on, not only from the next step's stats: --max-queue
+                    with self._lock:
+                        self._num_waiting += 1
             else:
                 # counted before the blocks are freed, so an idle engine has every abort on record
                 with self._lock:

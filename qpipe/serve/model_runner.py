@@ -43,12 +43,18 @@ class ModelRunner:
         raw = read_config_json(path)
         self.dtype = resolve_dtype(config.dtype, config.device, raw)
         limit = raw.get("max_position_embeddings", config.max_model_len_cap)
+        limit_name = "max_position_embeddings"
+        window = sliding_window(raw)
+        if window is not None and window < limit:
+            limit, limit_name = window, "sliding_window"
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(
                 f"EngineConfig.max_model_len={config.max_model_len} exceeds the checkpoint's "
-                f"max_position_embeddings={limit}; lower it"
+                f"{limit_name}={limit}; lower it"
             )
         max_len = min(config.max_model_len or limit, config.max_model_len_cap)
+        if limit_name == "sliding_window" and config.max_model_len is None:
+            log.info("max_model_len %d: the checkpoint's sliding attention window", max_len)
         torch.manual_seed(config.seed)
         self.model = load_model(path, self.dtype, config.device, max_len)
         if config.device == "cpu" and torch.backends.mkldnn.is_available():
@@ -70,7 +76,7 @@ class ModelRunner:
             self.decode_kernel = cpu_kernels.serves(self.device, self.dtype) and (
                 cpu_kernels.decode_attention_fits(self.head_dim, self.block_size)
             )
-        self.num_kv_blocks = self._count_kv_blocks()
+        self.num_kv_blocks = self._count_kv_blocks(max_len)
         capacity = self.num_kv_blocks * self.block_size
         if capacity < max_len:
             log.warning(
@@ -107,18 +113,22 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
-    def _count_kv_blocks(self) -> int:
+    def _count_kv_blocks(self, max_len: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.config.device == "cuda":
-            budget = self._profile_gpu_free_bytes()
+            budget = self._profile_gpu_free_bytes(max_len)
         else:
+            # the largest step's activations first: glibc keeps what they freed in the process
+            # (host_memory.py), so what is still available after them is what the cache can use
+            self.profile_forward(max_len)
             budget = int(self.config.kv_cache_memory_gib * GIB)
             available = _available_host_bytes()
             if available is not None and budget > available:
                 raise ValueError(
                     f"kv_cache_memory_gib={self.config.kv_cache_memory_gib} but only "
-                    f"{available / GIB:.1f} GiB of RAM is available after loading the weights; "
+                    f"{available / GIB:.1f} GiB of RAM is available after loading the weights "
+                    "and a forward pass of the largest step; "
                     "lower --kv-cache-memory"
                 )
         blocks = budget // self.block_bytes
@@ -129,31 +139,42 @@ class ModelRunner:
             )
         return blocks
 
-    def _profile_gpu_free_bytes(self) -> int:
-        """Run the biggest batch the scheduler may form, then hand the KV cache what is left of
-        the allowed share of GPU memory beyond that peak."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    def profile_forward(self, max_len: int) -> torch.Tensor:
+        """The largest step the scheduler may form: max_num_batched_tokens fresh prompt tokens,
+        as prompts of at most `max_len` tokens (positions past it have no rotary entry), on a
+        scratch cache of their own; returns the logits of the last token."""
         tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len_cap)
+        seq_len = min(tokens, max_len)
         blocks = -(-tokens // self.block_size)
         scratch = torch.zeros(
             self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim,
             dtype=self.dtype, device=self.device,
         )  # fmt: skip
+        spans = tuple(
+            PrefillSpan(start, min(seq_len, tokens - start), 0, None)
+            for start in range(0, tokens, seq_len)
+        )
         meta = AttentionMetadata(
             slot_mapping=torch.arange(tokens, device=self.device),
             num_decode_tokens=0,
             decode_block_tables=None,
             decode_context_lens=None,
             decode_mask=None,
-            prefills=(PrefillSpan(0, tokens, 0, None),),
+            prefills=spans,
         )
+        positions = torch.arange(tokens, device=self.device) % seq_len
         with torch.inference_mode():
             ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-            self.model(ids, torch.arange(tokens, device=self.device), scratch, meta, ids[-1:])
+            return self.model(ids, positions, scratch, meta, ids[-1:])
+
+    def _profile_gpu_free_bytes(self, max_len: int) -> int:
+        """Run the biggest batch the scheduler may form, then hand the KV cache what is left of
+        the allowed share of GPU memory beyond that peak."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.profile_forward(max_len)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-        del scratch
         free, total = torch.cuda.mem_get_info()
         used_by_others = total - free - torch.cuda.memory_reserved()
         return int(total * self.config.gpu_memory_utilization - used_by_others - peak)
@@ -270,6 +291,17 @@ class DecodeRows:
         """Block tables padded with block 0 to one width; nothing reads past a row's length."""
         width = self.width
         return [t + [0] * (width - len(t)) for t in self.tables]
+
+
+def sliding_window(raw: dict) -> int | None:
+    """The attention window of a checkpoint that uses one (Mistral 7B v0.1: 4,096 tokens; Qwen2
+    only with `use_sliding_window`). The engine attends to the whole context, which equals
+    windowed attention only while the context fits the window, so the window caps
+    max_model_len."""
+    window = raw.get("sliding_window")
+    if "use_sliding_window" in raw and not raw["use_sliding_window"]:
+        return None
+    return window if isinstance(window, int) else None
 
 
 def _available_host_bytes() -> int | None:

@@ -26,8 +26,12 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.top_k < -1:
+            raise ValueError(
+                f"SamplingParams.top_k must be -1 or 0 (off, as in vLLM) or >= 1, got {self.top_k}"
+            )
+        if self.top_k == 0:
+            object.__setattr__(self, "top_k", -1)
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"SamplingParams.logprobs must be in [0, 20], got {self.logprobs}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

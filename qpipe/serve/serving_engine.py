@@ -106,8 +106,14 @@ class OpenAIServing:
                 raise APIError(400, f"{name} is not supported by qpipe's server", param=name)
 
     def sampling_params(
-        self, body: SamplingRequest, max_tokens: int | None, prompt_len: int, logprobs: int | None
+        self,
+        body: SamplingRequest,
+        max_tokens: int | None,
+        prompt_len: int,
+        logprobs: int | None,
+        max_tokens_field: str = "max_tokens",
     ) -> SamplingParams:
+        """`max_tokens_field` names the request field the limit came from, for the error."""
         room = self.max_model_len - prompt_len
         if prompt_len >= self.max_model_len:
             raise APIError(
@@ -117,13 +123,15 @@ class OpenAIServing:
                 param="prompt",
             )
         if max_tokens is not None and max_tokens <= 0:
-            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+            raise APIError(
+                400, f"{max_tokens_field} must be >= 1, got {max_tokens}", param=max_tokens_field
+            )
         if max_tokens is not None and max_tokens > room:
             raise APIError(
                 400,
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                f"has {prompt_len}, so max_tokens can be at most {room} (got {max_tokens})",
-                param="max_tokens",
+                f"has {prompt_len}, so {max_tokens_field} can be at most {room} (got {max_tokens})",
+                param=max_tokens_field,
             )
         try:
             return SamplingParams(
