@@ -1,6 +1,7 @@
-"""Quantized serving: llm-compressor's int8 W8A8 and int4 W4A16 (group 64) checkpoints of SmolLM2
-load into the engine and agree with transformers' own load of the same compressed checkpoint; the
-qpipe artifact built from one serves the same tokens as the checkpoint itself."""
+"""Quantized serving: llm-compressor's int8 W8A8, fp8 (FP8_DYNAMIC) and int4 W4A16 (group 64)
+checkpoints of SmolLM2 load into the engine and agree with transformers' own load of the same
+compressed checkpoint; the qpipe artifact built from one serves the same tokens as the checkpoint
+itself."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from qpipe.serve.artifact import ARTIFACT_MARKER, write_artifact
 from qpipe.serve.config import EngineConfig
@@ -71,18 +73,22 @@ def teacher_forced_agreement(checkpoint: Path, prompts: list[list[int]], outs: l
     return agree / total, first
 
 
-@pytest.mark.parametrize("scheme", ["W8A8", "W4A16"])
+KINDS = {"W8A8": "Int8Linear", "FP8_DYNAMIC": "Fp8Linear", "W4A16": "WeightOnlyLinear"}
+
+
+@pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC", "W4A16"])
 def test_compressed_checkpoint_agrees_with_transformers(smollm2_checkpoint: Path, scheme: str):
     checkpoint = compressed_checkpoint(smollm2_checkpoint, scheme)
     engine = LLMEngine(
         EngineConfig(model=str(checkpoint), dtype="float32", kv_cache_memory_gib=0.05)
     )
     kinds = {type(layer.qkv_proj).__name__ for layer in engine.model_runner.model.layers}
-    assert kinds == {"Int8Linear" if scheme == "W8A8" else "WeightOnlyLinear"}
+    assert kinds == {KINDS[scheme]}
     prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
     outs = engine.generate(prompts, GREEDY)
     agreement, first = teacher_forced_agreement(checkpoint, prompts, outs)
-    # Measured: W8A8 0.94, W4A16 1.0. Each int8 layer equals transformers' fake-quantized one to
+    # Measured: W8A8 0.92, FP8_DYNAMIC 0.94, W4A16 1.0 (FP8 0.875 while the engine skipped the
+    # activations' fp8 rounding). Each int8 layer equals transformers' fake-quantized one to
     # fp32 rounding (next test), but a last-bit difference can flip the rounding of the next
     # layer's per-token activation quantization, and SmolLM2's outlier channels (|h| ~ 640) make
     # one flip visible: transformers' own fp32 and fp64 loads of this checkpoint agree only 0.94.
@@ -93,13 +99,17 @@ def test_compressed_checkpoint_agrees_with_transformers(smollm2_checkpoint: Path
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+@pytest.mark.parametrize(("scheme", "kind"), [("W8A8", "int8_w8a8"), ("FP8_DYNAMIC", "fp8_w8a8")])
 def test_artifact_serves_the_same_tokens_as_its_checkpoint(
-    smollm2_checkpoint: Path, tmp_path: Path
+    smollm2_checkpoint: Path, tmp_path: Path, scheme: str, kind: str
 ) -> None:
-    checkpoint = compressed_checkpoint(smollm2_checkpoint, "W8A8")
+    checkpoint = compressed_checkpoint(smollm2_checkpoint, scheme)
     artifact = write_artifact(checkpoint, tmp_path / "artifact")
     marker = json.loads((artifact / ARTIFACT_MARKER).read_text())
-    assert marker["linears"]["model.layers.0.self_attn.qkv_proj"] == "int8_w8a8"
+    assert marker["linears"]["model.layers.0.self_attn.qkv_proj"] == kind
+    with safe_open(artifact / "model.safetensors", "pt") as f:  # 8-bit on disk, not expanded
+        assert f.get_tensor("model.layers.0.self_attn.qkv_proj.weight").element_size() == 1
+        assert not any(key.endswith(".expanded") for key in f.keys())  # noqa: SIM118
     assert "quantization_config" not in json.loads((artifact / "config.json").read_text())
     outs = {}
     for path in (checkpoint, artifact):
@@ -109,16 +119,21 @@ def test_artifact_serves_the_same_tokens_as_its_checkpoint(
     assert outs[artifact] == outs[checkpoint]
 
 
-def test_int8_layers_equal_compressed_tensors_forward(smollm2_checkpoint: Path) -> None:
-    """The engine's W8A8 GEMM (exact int32 accumulation) against compressed-tensors' fake-quantized
-    fp32 layers, on the activations the real model produces for a prompt."""
+@pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC"])
+def test_quantized_layers_equal_compressed_tensors_forward(
+    smollm2_checkpoint: Path, scheme: str
+) -> None:
+    """The engine's W8A8 layers (int8: exact int32 accumulation; fp8: activations rounded through
+    fp8 per token) against compressed-tensors' fake-quantized fp32 layers, on the activations the
+    real model produces for a prompt."""
     from transformers import AutoModelForCausalLM
 
-    checkpoint = compressed_checkpoint(smollm2_checkpoint, "W8A8")
+    checkpoint = compressed_checkpoint(smollm2_checkpoint, scheme)
     engine = LLMEngine(
         EngineConfig(model=str(checkpoint), dtype="float32", kv_cache_memory_gib=0.05)
     )
     ours = engine.model_runner.model.layers[2]
+    assert type(ours.o_proj).__name__ == KINDS[scheme]
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     ref = hf.model.layers[2]
     captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -64,7 +64,7 @@ class ArtifactWeights:
         state = {k[len(prefix) :]: t for k, t in self.tensors.items() if k.startswith(prefix)}
         if kind == "dense":
             state = {k: t.to(self.dtype) for k, t in state.items()}
-        return LINEAR_KINDS[kind].from_state(state)
+        return LINEAR_KINDS[kind].from_state(state).prepare_for(self.dtype)
 
 
 class RecordingWeights:
@@ -105,7 +105,7 @@ def write_artifact(checkpoint_dir: Path, out_dir: Path, dtype: str = "float32") 
     LlamaForCausalLM(AutoConfig.from_pretrained(checkpoint_dir), weights, max_positions=1)
     tensors = {name: t.contiguous() for name, t in weights.tensors.items()}
     for name, layer in weights.linears.items():
-        for buffer, tensor in layer.named_buffers():
+        for buffer, tensor in layer.state_dict().items():
             tensors[f"{name}.{buffer}"] = tensor.contiguous()
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out_dir / "model.safetensors")

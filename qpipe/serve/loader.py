@@ -2,8 +2,9 @@
 the engine's linear layers.
 
 compressed-tensors formats handled: "int-quantized" (int8 W8A8, or int8 weight-only when there is
-no activation scheme), "float-quantized" (fp8, dequantized to the model dtype at load: no fp8 GEMM
-on CPU), "pack-quantized" (int4/int8 weight-only with groups), "naive-quantized" like int.
+no activation scheme), "float-quantized" (fp8 weights, with fp8 activations dynamic per token or
+statically scaled, or weight-only), "pack-quantized" (int4/int8 weight-only with groups),
+"naive-quantized" like int.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from qpipe.serve.layers.linear import DenseLinear, Int8Linear, LinearBase, WeightOnlyLinear
+from qpipe.serve.layers.linear import (
+    DenseLinear,
+    Fp8Linear,
+    Int8Linear,
+    LinearBase,
+    WeightOnlyLinear,
+)
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,7 @@ class LayerScheme:
     format: str  # "dense" or a compressed-tensors format name
     num_bits: int = 16
     activations_dynamic_int8: bool = False
+    activations_fp8: bool = False
 
 
 def _matches(name: str, target: str) -> bool:
@@ -61,7 +69,8 @@ class QuantizationConfig:
             return LayerScheme(
                 fmt,
                 int(weights.get("num_bits", 16)),
-                acts.get("type") == "int" and acts.get("num_bits") == 8,
+                activations_dynamic_int8=acts.get("type") == "int" and acts.get("num_bits") == 8,
+                activations_fp8=acts.get("type") == "float" and acts.get("num_bits") == 8,
             )
         return LayerScheme("dense")
 
@@ -107,9 +116,18 @@ class CheckpointWeights:
         if any(p.get("bias") is not None for p in loaded):
             bias = torch.cat([p["bias"] for p in loaded]).to(self.dtype)
         weight = torch.cat([p["weight"] for p in loaded])
-        if scheme.format in ("dense", "float-quantized"):
+        if scheme.format == "dense":
             return DenseLinear(weight, bias)
         scale = torch.cat([p["weight_scale"] for p in loaded])
+        if scheme.format == "float-quantized":
+            if scale.shape[1] != 1:
+                raise ValueError(f"{name}: fp8 with grouped scales is not served; use per-channel")
+            if not scheme.activations_fp8:  # weight-only fp8: expanded once, a dense layer
+                return DenseLinear((weight.float() * scale).to(self.dtype), bias)
+            # one input feeds every fused part: their calibrated scales agree, the largest is kept
+            input_scales = [p["input_scale"] for p in loaded if p.get("input_scale") is not None]
+            input_scale = torch.stack(input_scales).max().reshape(1) if input_scales else None
+            return Fp8Linear(weight, scale, input_scale, bias).prepare_for(self.dtype)
         zero = None
         if any(p.get("weight_zero_point") is not None for p in loaded):
             zero = torch.cat(
@@ -151,9 +169,13 @@ class CheckpointWeights:
         if zero is not None and not zero.any():
             zero = None
         if scheme.format == "float-quantized":
-            if scale.shape[1] != 1:
-                raise ValueError(f"{part}: fp8 with grouped scales is not served; use per-channel")
-            return {"weight": (weight.float() * scale).to(self.dtype), "bias": bias}
+            input_scale = self._raw(f"{part}.input_scale")
+            return {
+                "weight": weight,
+                "weight_scale": scale,
+                "input_scale": None if input_scale is None else input_scale.float().reshape(()),
+                "bias": bias,
+            }
         part_tensors: dict[str, torch.Tensor | None] = {
             "weight": weight.to(torch.int8),
             "weight_scale": scale,

@@ -19,6 +19,11 @@ class LinearBase(nn.Module):
     kind: ClassVar[str]
     packed: torch.Tensor | None = None
 
+    def prepare_for(self, dtype: torch.dtype) -> LinearBase:
+        """Readies a loaded layer to compute in `dtype` (what a format keeps in another form on
+        disk); returns the layer."""
+        return self
+
     def pack_for_onednn(self, batch_hint: int) -> bool:
         """Reorders the weight once into oneDNN's blocked layout for CPU serving, where the
         layer's format gains from it; returns whether it did. A packed layer serves, it is not
@@ -37,7 +42,7 @@ class LinearBase(nn.Module):
 
 
 class DenseLinear(LinearBase):
-    """16/32-bit weights; also where fp8 weights land on CPU, dequantized once at load."""
+    """16/32-bit weights; also where weight-only fp8 lands, expanded once at load."""
 
     kind = "dense"
 
@@ -138,6 +143,66 @@ class Int8Linear(LinearBase):
         return torch._int_mm(q, self.weight.t())[:rows].float().mul_(self.weight_scale)
 
 
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+
+
+def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x rounded through fp8 e4m3 and back, per token (dynamic, scale = absmax / 448) or with a
+    calibrated static scale, in x's dtype: compressed-tensors' quantize-dequantize step op for op,
+    so results match what llm-compressor calibrated against."""
+    if scale is None:
+        scale = x.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+        scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
+    else:
+        scale = scale.to(x.dtype)
+    q = torch.div(x, scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.to(x.dtype) * scale
+
+
+class Fp8Linear(LinearBase):
+    """fp8 e4m3 weights with per-channel scales and fp8 activations (dynamic per token, or one
+    calibrated scale): llm-compressor's FP8_DYNAMIC and FP8 schemes. The artifact keeps the fp8
+    weight (half of bf16's bytes); this CPU has no fp8 GEMM, so the weight is expanded to the
+    model dtype once (`prepare_for`) and each call rounds its input through fp8, which is what
+    the checkpoint computes. Not yet on GPU: torch._scaled_mm on fp8 tensor cores."""
+
+    kind = "fp8_w8a8"
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.to(torch.float8_e4m3fn))
+        self.register_buffer("weight_scale", weight_scale.reshape(-1, 1).float())
+        self.register_buffer("input_scale", input_scale)
+        self.register_buffer("bias", bias)
+        # not persistent: the artifact stores the fp8 weight, not this expansion of it
+        self.register_buffer("expanded", None, persistent=False)
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> LinearBase:
+        layer = super().from_state(state)
+        if "input_scale" not in state:
+            layer.input_scale = None
+        layer.register_buffer("expanded", None, persistent=False)
+        return layer
+
+    def prepare_for(self, dtype: torch.dtype) -> LinearBase:
+        self.expanded = (self.weight.float() * self.weight_scale).to(dtype)
+        if self.bias is not None:
+            self.bias = self.bias.to(dtype)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.expanded is None:
+            raise RuntimeError("Fp8Linear.prepare_for(dtype) was not called after loading")
+        return F.linear(fake_quantize_fp8(x, self.input_scale), self.expanded, self.bias)
+
+
 class WeightOnlyLinear(LinearBase):
     """int4/int8 weights with per-group scales (and zero points when asymmetric), 16/32-bit
     activations: the weight is expanded to the activation dtype on each call. Values are kept
@@ -179,5 +244,5 @@ class WeightOnlyLinear(LinearBase):
 
 
 LINEAR_KINDS: dict[str, type[LinearBase]] = {
-    cls.kind: cls for cls in (DenseLinear, Int8Linear, WeightOnlyLinear)
+    cls.kind: cls for cls in (DenseLinear, Int8Linear, Fp8Linear, WeightOnlyLinear)
 }
