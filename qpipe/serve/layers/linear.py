@@ -17,6 +17,7 @@ from qpipe.serve.layers import cpu_kernels
 
 class LinearBase(nn.Module):
     kind: ClassVar[str]
+    optional_buffers: ClassVar[tuple[str, ...]] = ("bias",)  # absent from a saved state: None
     packed: torch.Tensor | None = None
 
     def prepare_for(self, dtype: torch.dtype) -> LinearBase:
@@ -36,8 +37,9 @@ class LinearBase(nn.Module):
         nn.Module.__init__(layer)
         for name, tensor in state.items():
             layer.register_buffer(name, tensor)
-        if "bias" not in state:
-            layer.bias = None
+        for name in cls.optional_buffers:
+            if name not in state:
+                layer.register_buffer(name, None)
         return layer
 
 
@@ -167,6 +169,7 @@ class Fp8Linear(LinearBase):
     the checkpoint computes. Not yet on GPU: torch._scaled_mm on fp8 tensor cores."""
 
     kind = "fp8_w8a8"
+    optional_buffers = ("bias", "input_scale")
 
     def __init__(
         self,
@@ -186,8 +189,6 @@ class Fp8Linear(LinearBase):
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor]) -> LinearBase:
         layer = super().from_state(state)
-        if "input_scale" not in state:
-            layer.input_scale = None
         layer.register_buffer("expanded", None, persistent=False)
         return layer
 
@@ -209,6 +210,7 @@ class WeightOnlyLinear(LinearBase):
     unpacked in int8 so the expansion is one fused elementwise pass."""
 
     kind = "weight_only"
+    optional_buffers = ("bias", "weight_zero_point")
 
     def __init__(
         self,
@@ -222,13 +224,6 @@ class WeightOnlyLinear(LinearBase):
         self.register_buffer("weight_scale", weight_scale.float())
         self.register_buffer("weight_zero_point", weight_zero_point)
         self.register_buffer("bias", bias)
-
-    @classmethod
-    def from_state(cls, state: dict[str, torch.Tensor]) -> LinearBase:
-        layer = super().from_state(state)
-        if "weight_zero_point" not in state:
-            layer.weight_zero_point = None
-        return layer
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         out_features, in_features = self.weight.shape
