@@ -85,6 +85,46 @@ def test_static_decode_equals_the_eager_step(smollm2_checkpoint: Path) -> None:
     assert eager.model_runner.kv_cache[:, :, scratch].abs().sum() == 0
 
 
+def test_one_token_prompt_chunks_in_a_static_step_score_their_prompt_logprobs(
+    smollm2_checkpoint: Path,
+) -> None:
+    """With a 3-token budget and two requests decoding, a third request's prompt advances one
+    token per step: each step is all single-token rows, which the static (graph) path runs, and
+    the prompt rows among them must still hand back their logits."""
+
+    def scored(static: bool) -> list[dict[int, float] | None]:
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(smollm2_checkpoint), dtype="float32", num_kv_blocks=64,
+                max_model_len=256, max_num_batched_tokens=3,
+            )
+        )  # fmt: skip
+        runner = engine.model_runner
+        if static:
+            if not runner.decode_kernel:
+                pytest.skip("the paged decode kernel did not build here")
+            runner.decode_graphs = runner.static_decode(max_batch=4)
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        for i, text in enumerate(PROMPTS[:2]):
+            engine.add_request(f"busy{i}", engine.tokenizer(text).input_ids[:1], params)
+        engine.step()  # both decode from now on
+        prompt = engine.tokenizer(PROMPTS[2]).input_ids[:8]
+        engine.add_request("scored", prompt, SamplingParams(max_tokens=2, prompt_logprobs=1))
+        result = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.prompt_logprobs is not None:
+                    result = out.prompt_logprobs
+        assert result is not None and len(result) == len(prompt)
+        return result
+
+    static, eager = scored(static=True), scored(static=False)
+    assert static[0] is None and eager[0] is None
+    for a, b in zip(static[1:], eager[1:], strict=True):
+        assert a is not None and b is not None and a.keys() == b.keys()
+        assert list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_replay_gives_the_eager_tokens(smollm2_checkpoint: Path) -> None:
     def engine(enforce_eager: bool) -> LLMEngine:

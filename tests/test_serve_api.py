@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -251,12 +252,57 @@ def test_stop_string_echo_logprobs_and_batch_prompts(tiny_server: RunningServer)
         assert chosen == pytest.approx(max(top.values())), "greedy picks the most likely token"
 
     encode = tiny_server.engine.tokenizer.encode
+    scored = {**base, "echo": True, "logprobs": 2}  # what lm-eval's loglikelihood requests send
+    echoed = httpx.post(url, json=scored, headers=AUTH, timeout=30).json()["choices"][0]
+    n = len(encode(base["prompt"]))
+    lps = echoed["logprobs"]
+    assert echoed["text"] == base["prompt"] + text and len(lps["tokens"]) == n + 24
+    assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+    assert all(v <= 0 and len(top) in (2, 3) for v, top in
+               zip(lps["token_logprobs"][1:n], lps["top_logprobs"][1:n], strict=True))  # fmt: skip
+    assert "".join(lps["tokens"][n:]) == text
+    assert lps["token_logprobs"][n:] == pytest.approx(logprobs["token_logprobs"], abs=1e-5)
+    assert lps["text_offset"] == [sum(len(t) for t in lps["tokens"][:i]) for i in range(n + 24)]
+    with httpx.stream("POST", url, json={**scored, "stream": True}, headers=AUTH) as response:
+        events = sse_events([line for line in response.iter_lines() if line])
+    streamed = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    assert sum((e["tokens"] for e in streamed), []) == lps["tokens"]
+    assert sum((e["token_logprobs"] for e in streamed), []) == pytest.approx(lps["token_logprobs"])
+    assert sum((e["text_offset"] for e in streamed), []) == lps["text_offset"]
+
     batch = {**base, "prompt": [encode(base["prompt"]), encode("Another prompt")]}
     both = httpx.post(url, json=batch, headers=AUTH, timeout=30).json()
     assert [c["index"] for c in both["choices"]] == [0, 1]
     assert both["choices"][0]["text"] == text, "token-id prompt == string prompt"
     assert both["usage"]["completion_tokens"] == 48
     tiny_server.assert_idle()
+
+
+def test_lm_eval_loglikelihood_through_the_server(
+    tiny_server: RunningServer, tiny_llama_checkpoint: Path
+) -> None:
+    """lm-eval's `local-completions` model, unchanged, scores multiple-choice style requests
+    (echo + logprobs, max_tokens 1) through the server: the sums equal transformers' own."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from transformers import AutoModelForCausalLM
+
+    lm = LocalCompletionsAPI(
+        base_url=f"{tiny_server.url}/v1/completions", model=MODEL,
+        tokenizer_backend="huggingface", tokenizer=str(tiny_llama_checkpoint),
+        tokenized_requests=True, num_concurrent=2, max_retries=1, header=AUTH,
+    )  # fmt: skip
+    pairs = [("The capital of France is", " Paris"), ("Numbers: one two", " three four five")]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_checkpoint, dtype=torch.float32)
+    for (context, continuation), (total, greedy) in zip(pairs, got, strict=True):
+        context_ids, continuation_ids = lm._encode_pair(context, continuation)
+        ids = torch.tensor([context_ids + continuation_ids])
+        with torch.inference_mode():
+            logprobs = torch.log_softmax(model(ids).logits[0, len(context_ids) - 1 : -1], -1)
+        picked = logprobs.gather(1, torch.tensor(continuation_ids)[:, None]).squeeze(1)
+        assert total == pytest.approx(picked.sum().item(), abs=1e-3)
+        assert greedy == bool((logprobs.argmax(-1) == torch.tensor(continuation_ids)).all())
 
 
 def test_tokenize_health_and_models(tiny_server: RunningServer) -> None:

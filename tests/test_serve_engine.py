@@ -11,7 +11,10 @@ import torch
 
 from qpipe.serve.config import EngineConfig
 from qpipe.serve.engine import LLMEngine
+from qpipe.serve.model_runner import prompt_logprob_rows
 from qpipe.serve.sampling_params import SamplingParams
+from qpipe.serve.scheduler import ScheduledSeq
+from qpipe.serve.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [
@@ -154,6 +157,78 @@ def test_chunked_prefill_and_preemption_give_the_same_tokens(
     stats = tight.stats()
     assert stats.num_preemptions > 0
     assert stats.num_free_blocks == stats.num_total_blocks == 8
+
+
+def collect_prompt_logprobs(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+) -> tuple[list[list[dict[int, float] | None]], list[list[int]]]:
+    """Each request's prompt logprobs (they must come exactly once) and completion tokens."""
+    ids = [f"plp-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt, params)
+    scored: dict[str, list[dict[int, float] | None]] = {}
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.prompt_logprobs is not None:
+                assert out.request_id not in scored, "prompt logprobs come once"
+                scored[out.request_id] = out.prompt_logprobs
+    return [scored[i] for i in ids], [tokens[i] for i in ids]
+
+
+def test_prompt_logprobs_equal_transformers_past_the_cache_chunks_and_preemption(
+    engine: LLMEngine, hf_model: torch.nn.Module, smollm2_checkpoint: Path
+) -> None:
+    """What lm-eval's loglikelihood requests read (echo + logprobs): each prompt token's logprob
+    and the top 2, from the model run over the whole prompt, even where the prefix cache holds
+    the prompt's blocks, the prefill is chunked, or the request is preempted and replayed."""
+    prompts = [encode(engine, SHARED_PREFIX + q) for q in ("Who are you?", "Name a fruit.")]
+    prompts.append(encode(engine, PROMPTS[2]))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    greedy = engine.generate(prompts, params)  # also leaves the shared prefix in the cache
+    hits = engine.stats().prefix_cache_hits
+    scored, tokens = collect_prompt_logprobs(engine, prompts, params)
+    assert engine.stats().prefix_cache_hits == hits, "cached blocks would skip their logprobs"
+    assert tokens == greedy
+    for prompt, got in zip(prompts, scored, strict=True):
+        with torch.inference_mode():
+            reference = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+        assert len(got) == len(prompt) and got[0] is None
+        for position, entry in enumerate(got[1:], start=1):
+            expected = reference[position - 1]
+            assert entry is not None
+            assert entry[prompt[position]] == pytest.approx(
+                expected[prompt[position]].item(), abs=2e-4
+            )
+            top2 = expected.topk(2).indices.tolist()
+            assert set(top2) <= set(entry) and len(entry) <= 3
+    tight = LLMEngine(
+        EngineConfig(
+            model=str(smollm2_checkpoint), dtype="float32", num_kv_blocks=8,
+            max_num_batched_tokens=40,
+        )
+    )  # fmt: skip
+    tight_scored, tight_tokens = collect_prompt_logprobs(tight, prompts, params)
+    assert tight.stats().num_preemptions > 0
+    assert tight_tokens == greedy
+    for got, again in zip(scored, tight_scored, strict=True):
+        assert len(again) == len(got)
+        for a, b in zip(got[1:], again[1:], strict=True):
+            assert a is not None and b is not None and a.keys() == b.keys()
+            assert list(b.values()) == pytest.approx(list(a.values()), abs=2e-4)
+
+
+def test_a_replayed_chunk_scores_only_the_prompt_tokens_not_yet_scored() -> None:
+    """A request preempted halfway through its prefill restarts at position 0: the positions it
+    scored before are not scored again, and the last prompt position is the sampling row."""
+    seq = Sequence("r", list(range(100, 120)), SamplingParams(prompt_logprobs=1))
+    assert seq.prompt_logprobs is not None
+    seq.prompt_logprobs += [{101 + i: -1.0} for i in range(10)]  # tokens 1..10 scored
+    rows = prompt_logprob_rows([ScheduledSeq(seq, 0, 20, samples=True)])
+    assert rows.flat == list(range(10, 19))  # positions 10..18 predict tokens 11..19
+    assert rows.targets == list(range(111, 120))
+    assert rows.request_ids == ["r"] * 9 and rows.top == [1] * 9
 
 
 def test_abort_frees_blocks_at_once(engine: LLMEngine) -> None:

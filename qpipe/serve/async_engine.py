@@ -48,6 +48,7 @@ class GenerationChunk:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first chunk
 
 
 @dataclass
@@ -274,6 +275,7 @@ class AsyncLLMEngine:
             finish_reason=finish_reason,
             num_prompt_tokens=output.num_prompt_tokens,
             num_cached_tokens=output.num_cached_tokens,
+            prompt_logprobs=output.prompt_logprobs,
         )
         return state, chunk
 

@@ -53,7 +53,7 @@ class BlockManager:
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding `seq`'s leading full blocks. The last prompt token is never served
         from cache: the model must run on at least one token to produce the next one."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         hits: list[int] = []
         parent: int | None = None

@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RequestOutput:
     """What one request gained in one step. `new_logprobs[i]` maps token id -> logprob for the i-th
-    new token: the sampled token plus the `logprobs` most likely ones (None when not asked for)."""
+    new token: the sampled token plus the `logprobs` most likely ones (None when not asked for).
+    `prompt_logprobs` comes once, with the first new token, when the request asked for it: None
+    for the first prompt token, then the same kind of map for each prompt token."""
 
     request_id: str
     new_token_ids: list[int]
@@ -32,6 +34,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,13 +100,18 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
-        sampled = self.model_runner.run(batch)
+        result = self.model_runner.run(batch)
+        for item in batch.items:
+            scored = result.prompt_logprobs.get(item.seq.request_id)
+            if scored and item.seq.prompt_logprobs is not None:
+                item.seq.prompt_logprobs.extend(scored)
         outputs = []
         for seq, token_id, logprobs in self.scheduler.postprocess(
-            batch, sampled, self.eos_token_ids
+            batch, result.sampled, self.eos_token_ids
         ):
             if seq.is_finished:
                 self._requests.pop(seq.request_id, None)
+            first = seq.num_completion_tokens == 1
             outputs.append(
                 RequestOutput(
                     request_id=seq.request_id,
@@ -113,6 +121,7 @@ class LLMEngine:
                     finish_reason=seq.finish_reason,
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_cached_tokens=seq.num_cached_tokens,
+                    prompt_logprobs=seq.prompt_logprobs if first else None,
                 )
             )
         return outputs

@@ -17,7 +17,7 @@ from qpipe.serve.host_memory import keep_freed_memory
 from qpipe.serve.layers import cpu_kernels, triton_attention
 from qpipe.serve.layers.attention import AttentionMetadata, PrefillSpan
 from qpipe.serve.layers.linear import pack_linear_weights
-from qpipe.serve.layers.sampler import sample
+from qpipe.serve.layers.sampler import sample, token_logprobs
 from qpipe.serve.loader import load_model, read_config_json, resolve_dtype
 from qpipe.serve.models.llama import head_dim_of
 from qpipe.serve.sampling_params import SamplingParams
@@ -26,6 +26,15 @@ from qpipe.serve.scheduler import ScheduledBatch, ScheduledSeq
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step computed: (token, logprobs) per request id whose chunk ended its tokens, and
+    the prompt logprobs of the prompt tokens this step's chunks predicted, per request id."""
+
+    sampled: dict[str, tuple[int, dict[int, float] | None]]
+    prompt_logprobs: dict[str, list[dict[int, float]]]
 
 
 class ModelRunner:
@@ -185,8 +194,7 @@ class ModelRunner:
         return torch.Generator(device=self.device).manual_seed(params.seed)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> dict[str, tuple[int, dict[int, float] | None]]:
-        """Sampled (token, logprobs) per request id, for sequences whose chunk ends their tokens."""
+    def run(self, batch: ScheduledBatch) -> StepResult:
         decodes = [item for item in batch.items if item.num_new_tokens == 1]
         # fresh prompts of one length side by side: their attention runs as one batched call
         prefills = sorted(
@@ -197,25 +205,35 @@ class ModelRunner:
         sampling = [i for i, it in enumerate(ordered) if it.samples]
         rows = self._decode_rows(decodes)
         graphs = self.decode_graphs
+        prompt_rows = prompt_logprob_rows(ordered)
         if not prefills and graphs is not None and graphs.fits(len(decodes), rows.width):
             logits = graphs.run(
                 torch.tensor(rows.ids), torch.tensor(rows.positions), torch.tensor(rows.slots),
                 torch.tensor(rows.padded_tables(), dtype=torch.int32),
                 torch.tensor(rows.context_lens, dtype=torch.int32),
             )  # fmt: skip
-            if len(sampling) < len(decodes):
-                logits = logits[torch.tensor(sampling, device=self.device)]
+            # a decode-only step: row i is item i, and a 1-token prefill chunk may score a prompt
+            picked = sampling + prompt_rows.flat
+            if picked != list(range(len(decodes))):
+                logits = logits[torch.tensor(picked, device=self.device)]
         else:
             input_ids, positions, meta = self._prepare(rows, prefills)
             ends = torch.tensor([it.num_new_tokens for it in ordered]).cumsum(0) - 1
-            logits = self.model(
-                input_ids, positions, self.kv_cache, meta, ends[sampling].to(self.device)
+            indices = torch.cat([ends[sampling], torch.tensor(prompt_rows.flat, dtype=torch.long)])
+            logits = self.model(input_ids, positions, self.kv_cache, meta, indices.to(self.device))
+        result = StepResult({}, {})
+        if prompt_rows.flat:
+            entries = token_logprobs(logits[len(sampling) :], prompt_rows.targets, prompt_rows.top)
+            for request_id, entry in zip(prompt_rows.request_ids, entries, strict=True):
+                result.prompt_logprobs.setdefault(request_id, []).append(entry)
+        if sampling:
+            seqs = [ordered[i].seq for i in sampling]
+            tokens, logprobs = sample(
+                logits[: len(sampling)], [s.params for s in seqs], [s.generator for s in seqs]
             )
-        if not sampling:
-            return {}
-        seqs = [ordered[i].seq for i in sampling]
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        return {s.request_id: (t, lp) for s, t, lp in zip(seqs, tokens, logprobs, strict=True)}
+            for seq, token, entry in zip(seqs, tokens, logprobs, strict=True):
+                result.sampled[seq.request_id] = (token, entry)
+        return result
 
     def _decode_rows(self, decodes: list[ScheduledSeq]) -> DecodeRows:
         bs = self.block_size
@@ -271,6 +289,37 @@ class ModelRunner:
             prefills=tuple(spans),
         )
         return torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta
+
+
+@dataclass
+class PromptLogprobRows:
+    """Rows of a step whose logits predict a prompt token of a sequence that asked for prompt
+    logprobs: their flat index in the batch, the token they predict, how many top tokens."""
+
+    flat: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    top: list[int | None] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+
+
+def prompt_logprob_rows(ordered: list[ScheduledSeq]) -> PromptLogprobRows:
+    """The prompt positions each chunk computes whose successor is a prompt token not yet
+    scored; a chunk replayed after preemption scores nothing twice."""
+    rows = PromptLogprobRows()
+    offset = 0
+    for item in ordered:
+        seq = item.seq
+        if seq.needs_prompt_logprobs:
+            assert seq.prompt_logprobs is not None
+            first = max(item.start, len(seq.prompt_logprobs) - 1)
+            last = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            for position in range(first, last):
+                rows.flat.append(offset + position - item.start)
+                rows.targets.append(seq.token_ids[position + 1])
+                rows.top.append(seq.params.prompt_logprobs)
+                rows.request_ids.append(seq.request_id)
+        offset += item.num_new_tokens
+    return rows
 
 
 @dataclass

@@ -18,6 +18,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # also {token: logprob} for each prompt token but the first
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -32,8 +33,10 @@ class SamplingParams:
             )
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"SamplingParams.logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 20:
+                raise ValueError(f"SamplingParams.{name} must be in [0, 20], got {value}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property

@@ -41,6 +41,10 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.finish_reason: FinishReason | None = None
+        # [None, then {token: logprob} per prompt token] as prefill chunks compute them
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            None if params.prompt_logprobs is None else [None]
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +57,14 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed: every prompt token must then run
+        through the model, none may come from the prefix cache."""
+        return (
+            self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
 
     @property
     def is_finished(self) -> bool:

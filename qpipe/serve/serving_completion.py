@@ -52,27 +52,36 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_unsupported(body)
         if body.suffix:
             raise APIError(400, "suffix is not supported by qpipe's server", param="suffix")
-        if body.echo and body.logprobs is not None:
-            raise APIError(
-                400, "echo with logprobs (prompt logprobs) is not supported", param="echo"
-            )
         prompts = self._prompts(body)
         longest = max(len(p) for p in prompts)
-        params = self.sampling_params(body, body.max_tokens, longest, body.logprobs)
+        # echo with logprobs scores the prompt too, as lm-eval's loglikelihood requests need
+        prompt_logprobs = body.logprobs if body.echo else None
+        params = self.sampling_params(
+            body, body.max_tokens, longest, body.logprobs, prompt_logprobs=prompt_logprobs
+        )
         return prompts, params
 
     def _logprobs(
-        self, token_ids: list[int], logprobs: list[dict[int, float]], k: int, offset: int
+        self,
+        token_ids: list[int],
+        logprobs: list[dict[int, float] | None],
+        k: int,
+        offset: int,
     ) -> CompletionLogprobs:
+        """OpenAI's logprobs object; a None entry (the first prompt token) scores nothing."""
         out = CompletionLogprobs()
         for token_id, candidates in zip(token_ids, logprobs, strict=False):
             token = self.tokenizer.decode([token_id])
             out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+            if candidates is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
             out.token_logprobs.append(candidates.get(token_id))
             top = sorted(candidates.items(), key=lambda kv: -kv[1])[:k]
             out.top_logprobs.append({self.tokenizer.decode([t]): lp for t, lp in top})
-            out.text_offset.append(offset)
-            offset += len(token)
         return out
 
     async def create(
@@ -88,7 +97,11 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, result in enumerate(results):
             logprobs = None
             if body.logprobs is not None:
-                logprobs = self._logprobs(result.token_ids, result.logprobs, body.logprobs, 0)
+                scored: list[dict[int, float] | None] = list(result.logprobs)
+                token_ids = result.token_ids
+                if body.echo and result.prompt_logprobs is not None:
+                    scored, token_ids = result.prompt_logprobs + scored, prompts[i] + token_ids
+                logprobs = self._logprobs(token_ids, scored, body.logprobs, 0)
             choices.append(
                 CompletionChoice(
                     index=i,
@@ -131,9 +144,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 results[index].add(chunk)
                 logprobs = None
                 if body.logprobs is not None:
-                    logprobs = self._logprobs(
-                        chunk.token_ids, chunk.logprobs or [], body.logprobs, offsets[index]
-                    )
+                    scored: list[dict[int, float] | None] = list(chunk.logprobs or [])
+                    token_ids = chunk.token_ids
+                    if chunk.prompt_logprobs is not None and pending_echo[index]:
+                        scored = chunk.prompt_logprobs + scored
+                        token_ids, offsets[index] = prompts[index] + token_ids, 0
+                    logprobs = self._logprobs(token_ids, scored, body.logprobs, offsets[index])
                     offsets[index] += sum(len(t) for t in logprobs.tokens)
                 text = chunk.text
                 if pending_echo[index]:

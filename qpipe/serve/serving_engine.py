@@ -43,6 +43,7 @@ class ChoiceOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
         self.text += chunk.text
@@ -51,6 +52,8 @@ class ChoiceOutput:
         self.finish_reason = chunk.finish_reason
         self.num_prompt_tokens = chunk.num_prompt_tokens
         self.num_cached_tokens = chunk.num_cached_tokens
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
 
 
 def usage_info(choices: list[ChoiceOutput], prompt_lens: list[int]) -> UsageInfo:
@@ -112,6 +115,7 @@ class OpenAIServing:
         prompt_len: int,
         logprobs: int | None,
         max_tokens_field: str = "max_tokens",
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """`max_tokens_field` names the request field the limit came from, for the error."""
         room = self.max_model_len - prompt_len
@@ -143,6 +147,7 @@ class OpenAIServing:
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as exc:
             raise APIError(400, str(exc).removeprefix("SamplingParams.")) from exc

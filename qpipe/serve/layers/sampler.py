@@ -35,14 +35,32 @@ def sample(
     logprobs: list[dict[int, float] | None] = [None] * batch
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if wanted:
-        all_logprobs = torch.log_softmax(logits[wanted], dim=-1)
-        for j, i in enumerate(wanted):
-            top = all_logprobs[j].topk(params[i].logprobs) if params[i].logprobs else None
-            entry = {token_list[i]: all_logprobs[j, token_list[i]].item()}
-            if top is not None:
-                entry.update(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        entries = token_logprobs(
+            logits[wanted], [token_list[i] for i in wanted], [params[i].logprobs for i in wanted]
+        )
+        for i, entry in zip(wanted, entries, strict=True):
             logprobs[i] = entry
     return token_list, logprobs
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: list[int], top: list[int | None]
+) -> list[dict[int, float]]:
+    """Per row, {token: logprob} for `tokens[row]` and the `top[row]` most likely tokens, from the
+    unmodified distribution: sampled tokens' logprobs and prompt logprobs alike."""
+    all_logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = all_logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])
+    chosen_list = chosen.squeeze(1).tolist()
+    entries = []
+    k_max = max((k or 0 for k in top), default=0)
+    best = all_logprobs.topk(k_max) if k_max else None
+    for row, (token, k) in enumerate(zip(tokens, top, strict=True)):
+        entry = {token: chosen_list[row]}
+        if best is not None and k:
+            ids, values = best.indices[row, :k].tolist(), best.values[row, :k].tolist()
+            entry.update(zip(ids, values, strict=True))
+        entries.append(entry)
+    return entries
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
