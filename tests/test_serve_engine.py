@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from qpipe.serve import model_runner
 from qpipe.serve.config import EngineConfig
 from qpipe.serve.engine import LLMEngine
 from qpipe.serve.model_runner import prompt_logprob_rows
@@ -178,11 +179,16 @@ def collect_prompt_logprobs(
 
 
 def test_prompt_logprobs_equal_transformers_past_the_cache_chunks_and_preemption(
-    engine: LLMEngine, hf_model: torch.nn.Module, smollm2_checkpoint: Path
+    engine: LLMEngine,
+    hf_model: torch.nn.Module,
+    smollm2_checkpoint: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """What lm-eval's loglikelihood requests read (echo + logprobs): each prompt token's logprob
     and the top 2, from the model run over the whole prompt, even where the prefix cache holds
-    the prompt's blocks, the prefill is chunked, or the request is preempted and replayed."""
+    the prompt's blocks, the prefill is chunked, or the request is preempted and replayed; the
+    prompt rows are projected to the vocabulary 8 at a time here, so slices end mid-prompt."""
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_SLICE", 8)
     prompts = [encode(engine, SHARED_PREFIX + q) for q in ("Who are you?", "Name a fruit.")]
     prompts.append(encode(engine, PROMPTS[2]))
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, prompt_logprobs=2)

@@ -26,6 +26,7 @@ from qpipe.serve.scheduler import ScheduledBatch, ScheduledSeq
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
+PROMPT_LOGPROB_SLICE = 256  # prompt rows projected to the vocabulary at a time
 
 
 @dataclass(frozen=True)
@@ -216,16 +217,29 @@ class ModelRunner:
             picked = sampling + prompt_rows.flat
             if picked != list(range(len(decodes))):
                 logits = logits[torch.tensor(picked, device=self.device)]
+            prompt_logits = iter([logits[len(sampling) :]])
         else:
             input_ids, positions, meta = self._prepare(rows, prefills)
             ends = torch.tensor([it.num_new_tokens for it in ordered]).cumsum(0) - 1
             indices = torch.cat([ends[sampling], torch.tensor(prompt_rows.flat, dtype=torch.long)])
-            logits = self.model(input_ids, positions, self.kv_cache, meta, indices.to(self.device))
+            hidden = self.model.final_hidden(
+                input_ids, positions, self.kv_cache, meta, indices.to(self.device)
+            )
+            logits = self.model.compute_logits(hidden[: len(sampling)])
+            # prompt rows projected a slice at a time: a 2,048-token chunk's [rows, vocab] logits
+            # at once would be GiBs that the memory profile never saw
+            prompt_logits = (
+                self.model.compute_logits(hidden[first : first + PROMPT_LOGPROB_SLICE])
+                for first in range(len(sampling), len(hidden), PROMPT_LOGPROB_SLICE)
+            )
         result = StepResult({}, {})
-        if prompt_rows.flat:
-            entries = token_logprobs(logits[len(sampling) :], prompt_rows.targets, prompt_rows.top)
-            for request_id, entry in zip(prompt_rows.request_ids, entries, strict=True):
+        done = 0
+        for block in prompt_logits if prompt_rows.flat else ():
+            span = slice(done, done + len(block))
+            entries = token_logprobs(block, prompt_rows.targets[span], prompt_rows.top[span])
+            for request_id, entry in zip(prompt_rows.request_ids[span], entries, strict=True):
                 result.prompt_logprobs.setdefault(request_id, []).append(entry)
+            done += len(block)
         if sampling:
             seqs = [ordered[i].seq for i in sampling]
             tokens, logprobs = sample(

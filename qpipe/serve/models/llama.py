@@ -103,12 +103,29 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits (fp32) for the tokens at `logits_indices` only: the vocabulary projection is the
         biggest GEMM per token, and only each sequence's last token needs it."""
+        return self.compute_logits(
+            self.final_hidden(input_ids, positions, kv_caches, meta, logits_indices)
+        )
+
+    def final_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+        indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The normalized last hidden states at `indices`, for callers that project them in
+        slices (prompt logprobs: one row per prompt token, a [rows, vocab] tensor at once)."""
         hidden = F.embedding(input_ids, self.embed_tokens)
         rotary = self.rotary.tables(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rotary, kv_cache, meta)
-        hidden, _ = self.norm(hidden[logits_indices], residual[logits_indices])
+        hidden, _ = self.norm(hidden[indices], residual[indices])
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
 
