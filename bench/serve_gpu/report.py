@@ -15,6 +15,8 @@ from pathlib import Path
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from qpipe.serve.models.llama import head_dim_of
+
 PROMPT_LEN, OUTPUT_LEN = 128, 64
 
 
@@ -34,8 +36,8 @@ def main() -> None:
     parser.add_argument("--bandwidth-tb-s", type=float, default=4.3)
     args = parser.parse_args()
     config = AutoConfig.from_pretrained(args.checkpoint)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
+    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    kv_per_token = 2 * layers * kv_heads * head_dim_of(config) * 2  # K and V, 2 bytes each
     weights = weight_bytes(args.checkpoint)
     mean_context = PROMPT_LEN + OUTPUT_LEN / 2
     rows = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]

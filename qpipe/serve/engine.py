@@ -101,10 +101,10 @@ class LLMEngine:
         if not batch.items:
             return []
         result = self.model_runner.run(batch)
-        for item in batch.items:
-            scored = result.prompt_logprobs.get(item.seq.request_id)
-            if scored and item.seq.prompt_logprobs is not None:
-                item.seq.prompt_logprobs.extend(scored)
+        for request_id, scored in result.prompt_logprobs.items():
+            prompt_logprobs = self._requests[request_id].prompt_logprobs
+            assert prompt_logprobs is not None  # the runner scores only requests that asked
+            prompt_logprobs.extend(scored)
         outputs = []
         for seq, token_id, logprobs in self.scheduler.postprocess(
             batch, result.sampled, self.eos_token_ids

@@ -217,11 +217,13 @@ class ModelRunner:
             picked = sampling + prompt_rows.flat
             if picked != list(range(len(decodes))):
                 logits = logits[torch.tensor(picked, device=self.device)]
-            prompt_logits = iter([logits[len(sampling) :]])
+            prompt_logits = [logits[len(sampling) :]] if prompt_rows.flat else []
         else:
             input_ids, positions, meta = self._prepare(rows, prefills)
             ends = torch.tensor([it.num_new_tokens for it in ordered]).cumsum(0) - 1
-            indices = torch.cat([ends[sampling], torch.tensor(prompt_rows.flat, dtype=torch.long)])
+            indices = ends[sampling]
+            if prompt_rows.flat:
+                indices = torch.cat([indices, torch.tensor(prompt_rows.flat, dtype=torch.long)])
             hidden = self.model.final_hidden(
                 input_ids, positions, self.kv_cache, meta, indices.to(self.device)
             )
@@ -234,7 +236,7 @@ class ModelRunner:
             )
         result = StepResult({}, {})
         done = 0
-        for block in prompt_logits if prompt_rows.flat else ():
+        for block in prompt_logits:
             span = slice(done, done + len(block))
             entries = token_logprobs(block, prompt_rows.targets[span], prompt_rows.top[span])
             for request_id, entry in zip(prompt_rows.request_ids[span], entries, strict=True):

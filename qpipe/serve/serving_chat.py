@@ -38,11 +38,10 @@ class OpenAIServingChat(OpenAIServing):
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = self.chat_prompt(messages, body.add_generation_prompt)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        field, max_tokens = "max_tokens", body.max_tokens
         if body.max_completion_tokens is not None:  # OpenAI's newer name wins, 0 included
-            return prompt, self.sampling_params(
-                body, body.max_completion_tokens, len(prompt), logprobs, "max_completion_tokens"
-            )
-        return prompt, self.sampling_params(body, body.max_tokens, len(prompt), logprobs)
+            field, max_tokens = "max_completion_tokens", body.max_completion_tokens
+        return prompt, self.sampling_params(body, max_tokens, len(prompt), logprobs, field)
 
     def _logprobs(
         self, token_ids: list[int], logprobs: list[dict[int, float]], k: int

@@ -64,13 +64,18 @@ class OpenAIServingCompletion(OpenAIServing):
     def _logprobs(
         self,
         token_ids: list[int],
-        logprobs: list[dict[int, float] | None],
+        logprobs: list[dict[int, float]],
         k: int,
         offset: int,
+        echoed: tuple[list[int], list[dict[int, float] | None]] | None = None,
     ) -> CompletionLogprobs:
-        """OpenAI's logprobs object; a None entry (the first prompt token) scores nothing."""
+        """OpenAI's logprobs object, listing first the `echoed` prompt's token ids and logprobs
+        when given; a None entry (the first prompt token) scores nothing."""
+        scored: list[dict[int, float] | None] = list(logprobs)
+        if echoed is not None:
+            token_ids, scored = echoed[0] + token_ids, echoed[1] + scored
         out = CompletionLogprobs()
-        for token_id, candidates in zip(token_ids, logprobs, strict=False):
+        for token_id, candidates in zip(token_ids, scored, strict=False):
             token = self.tokenizer.decode([token_id])
             out.tokens.append(token)
             out.text_offset.append(offset)
@@ -97,11 +102,12 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, result in enumerate(results):
             logprobs = None
             if body.logprobs is not None:
-                scored: list[dict[int, float] | None] = list(result.logprobs)
-                token_ids = result.token_ids
+                echoed = None
                 if body.echo and result.prompt_logprobs is not None:
-                    scored, token_ids = result.prompt_logprobs + scored, prompts[i] + token_ids
-                logprobs = self._logprobs(token_ids, scored, body.logprobs, 0)
+                    echoed = (prompts[i], result.prompt_logprobs)
+                logprobs = self._logprobs(
+                    result.token_ids, result.logprobs, body.logprobs, 0, echoed
+                )
             choices.append(
                 CompletionChoice(
                     index=i,
@@ -144,12 +150,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 results[index].add(chunk)
                 logprobs = None
                 if body.logprobs is not None:
-                    scored: list[dict[int, float] | None] = list(chunk.logprobs or [])
-                    token_ids = chunk.token_ids
+                    echoed = None
                     if chunk.prompt_logprobs is not None and pending_echo[index]:
-                        scored = chunk.prompt_logprobs + scored
-                        token_ids, offsets[index] = prompts[index] + token_ids, 0
-                    logprobs = self._logprobs(token_ids, scored, body.logprobs, offsets[index])
+                        echoed, offsets[index] = (prompts[index], chunk.prompt_logprobs), 0
+                    logprobs = self._logprobs(
+                        chunk.token_ids, chunk.logprobs or [], body.logprobs, offsets[index], echoed
+                    )
                     offsets[index] += sum(len(t) for t in logprobs.tokens)
                 text = chunk.text
                 if pending_echo[index]:
