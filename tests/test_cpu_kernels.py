@@ -12,12 +12,13 @@ import torch.nn.functional as F
 
 from qpipe.serve.config import EngineConfig
 from qpipe.serve.engine import LLMEngine
-from qpipe.serve.layers import cpu_kernels
+from qpipe.serve.layers import cpu_kernels, linear
 from qpipe.serve.layers.activation import gated_mlp, silu_and_mul
 from qpipe.serve.layers.attention import _gather, cache_views
 from qpipe.serve.layers.linear import (
     DenseLinear,
     Int8Linear,
+    onednn_int8_is_exact,
     pack_linear_weights,
     quantize_per_token_int8,
 )
@@ -182,26 +183,66 @@ def test_engine_gives_the_same_tokens_with_and_without_kernels(
     assert with_kernels == without
 
 
+@pytest.fixture(params=["onednn", "fp32-onednn", "fp32"])
+def int8_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The CPU forms of a packed W8A8 weight: oneDNN's int8 GEMM (only where it is exact), and
+    the int8 values in fp32 (what a CPU without VNNI gets; forced here on any CPU) on oneDNN's
+    GEMM (non-Intel CPUs) or torch's."""
+    if request.param == "onednn" and not onednn_int8_is_exact():
+        pytest.skip("oneDNN's int8 GEMM saturates on this CPU (no VNNI)")
+    if request.param != "onednn":
+        monkeypatch.setattr(linear, "onednn_int8_is_exact", lambda: False)
+        on_onednn = request.param == "fp32-onednn"
+        monkeypatch.setattr(linear, "_mkl_runs_generic_code", lambda: on_onednn)
+    return request.param
+
+
+def test_the_int8_exactness_probe_tells_what_a_full_range_product_shows() -> None:
+    """The probe's one corner product must agree with oneDNN on full-range random operands: exact
+    on a VNNI CPU, off where `vpmaddubsw` saturates (measured on an AVX2-only Zen 3)."""
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randint(-128, 128, (256, 576), generator=gen, dtype=torch.int8)
+    q = torch.randint(-128, 128, (32, 576), generator=gen, dtype=torch.int8)
+    packed = torch.ops.onednn.qlinear_prepack(weight, [32, 576])
+    zero = torch.zeros(256, dtype=torch.long)
+    product = linear._onednn_int8_product(q, packed, torch.ones(256), zero)
+    exact = torch._int_mm(q, weight.t()).float()
+    assert onednn_int8_is_exact() == torch.equal(product, exact)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("activations", ["outlier", "full-range"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_int8_linear_kernels_equal_the_eager_w8a8_path(
-    dtype: torch.dtype, with_bias: bool, packed: bool, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype,
+    with_bias: bool,
+    activations: str,
+    packed: bool,
+    int8_backend: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Quantization is bit-exact (same scale rule and rounding); the product, packed for oneDNN or
-    on `_int_mm`, with the kernel epilogue equals the eager rule up to the final rounding to the
-    model dtype; an outlier channel as SmolLM2 has one."""
+    """Quantization is bit-exact (same scale rule and rounding); the product, packed (oneDNN or
+    fp32) or on `_int_mm`, with the kernel epilogue equals the exact int32 rule up to the final
+    rounding to the model dtype. Activations with an outlier channel, as SmolLM2 has, quantize
+    to small values; full-range ones reach the corner where a GEMM without VNNI saturates."""
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(19, 576, generator=gen)
-    x[:, 7] *= 300.0
+    if activations == "outlier":
+        x = torch.randn(19, 576, generator=gen)
+        x[:, 7] *= 300.0
+    else:
+        x = torch.rand(19, 576, generator=gen) + 0.5
     x = x.to(dtype)
     weight = torch.randint(-127, 128, (192, 576), generator=gen, dtype=torch.int8)
+    weight[:, :64] = 127
     weight_scale = torch.rand(192, generator=gen) * 1e-2
     bias = torch.randn(192, generator=gen) if with_bias else None
     layer = Int8Linear(weight, weight_scale, bias)
     if packed:
         assert pack_linear_weights(torch.nn.Sequential(layer), batch_hint=32) == 1
         assert layer.weight is None
+        assert layer.packed.dtype == (torch.int8 if int8_backend == "onednn" else torch.float32)
+        assert layer.packed.is_mkldnn == (int8_backend != "fp32")
 
     q = torch.empty(x.shape, dtype=torch.int8)
     scale = torch.empty(19)
@@ -221,7 +262,7 @@ def test_int8_linear_kernels_equal_the_eager_w8a8_path(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("hidden", "intermediate"), [(128, 192), (120, 200)])
 def test_fused_int8_gated_mlp_equals_the_layer_by_layer_path(
-    dtype: torch.dtype, hidden: int, intermediate: int
+    dtype: torch.dtype, hidden: int, intermediate: int, int8_backend: str
 ) -> None:
     """The one-call W8A8 MLP keeps the activation in int8 between the projections; it must give
     the bits of gate_up -> silu_and_mul -> down, each a separate kernel call."""
@@ -274,6 +315,25 @@ def test_onednn_packed_bf16_linear_gives_the_same_bits(rows: int) -> None:
     plain = DenseLinear(weight, bias)
     expected = plain(x)
     packed = DenseLinear(weight, bias)
-    assert pack_linear_weights(torch.nn.Sequential(packed), batch_hint=64) == 1
-    assert packed.weight is None and packed.packed is not None
+    # oneDNN packs bf16 only with AVX-512 or AVX-NE-CONVERT: elsewhere the plain weight serves
+    supported = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert pack_linear_weights(torch.nn.Sequential(packed), batch_hint=64) == int(supported)
+    assert (packed.weight is None) == supported == (packed.packed is not None)
     assert torch.equal(packed(x), expected)
+
+
+@pytest.mark.parametrize("generic_mkl", [False, True])
+def test_fp32_weights_are_packed_where_mkl_runs_generic_code(
+    generic_mkl: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp32 goes to oneDNN's packed GEMM only on non-Intel CPUs (MKL's generic code there is
+    1.3-3x slower at decode batch sizes), with the same results up to summation order."""
+    monkeypatch.setattr(linear, "_mkl_runs_generic_code", lambda: generic_mkl)
+    gen = torch.Generator().manual_seed(8)
+    weight, bias = torch.randn(960, 576, generator=gen), torch.randn(960, generator=gen)
+    x = torch.randn(32, 576, generator=gen)
+    expected = F.linear(x, weight, bias)
+    layer = DenseLinear(weight, bias)
+    assert pack_linear_weights(torch.nn.Sequential(layer), batch_hint=64) == int(generic_mkl)
+    assert (layer.packed is not None) == generic_mkl
+    torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)

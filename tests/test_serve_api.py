@@ -24,10 +24,11 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from qpipe.serve.api import ServerSettings, build_app
-from qpipe.serve.async_engine import AsyncLLMEngine, QueueFullError
+from qpipe.serve.async_engine import AsyncLLMEngine, EngineUnavailableError, QueueFullError
 from qpipe.serve.config import EngineConfig
 from qpipe.serve.detokenizer import IncrementalDetokenizer
 from qpipe.serve.engine import LLMEngine
+from qpipe.serve.http_server import DrainingServer
 from qpipe.serve.metrics import ServerMetrics
 from qpipe.serve.sampling_params import SamplingParams
 
@@ -84,10 +85,11 @@ def start_server(
         api_key=api_key,
         keepalive_interval_s=keepalive_interval_s,
     )
-    server = uvicorn.Server(
+    server = DrainingServer(
         uvicorn.Config(
             build_app(async_engine, settings), host="127.0.0.1", port=0, log_level="warning"
-        )
+        ),
+        async_engine,
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -543,6 +545,39 @@ def test_max_queue_counts_requests_taken_in_since_the_last_step(
         await async_engine.shutdown(drain_timeout_s=0)
 
     asyncio.run(fill())
+    stats = async_engine.engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_the_server_and_the_engine_drain_against_one_deadline(
+    tiny_llama_checkpoint: Path,
+) -> None:
+    """A drain begun when uvicorn starts shutting down bounds the engine's own wait too: by the
+    time the lifespan shutdown runs, the time is spent and unfinished requests are aborted at
+    once, not given a second full timeout. New requests are refused from the start."""
+    config = EngineConfig(
+        model=str(tiny_llama_checkpoint), dtype="float32", kv_cache_memory_gib=0.01
+    )
+    async_engine = AsyncLLMEngine(lambda: LLMEngine(config), ServerMetrics("tiny"))
+    long = SamplingParams(max_tokens=100_000, ignore_eos=True)
+
+    async def drain() -> float:
+        async_engine.start()
+        stream = async_engine.add_request("long", [100, 101], long)
+        await stream.next()  # running, with blocks: ~2,000 tokens to go (seconds of steps)
+        async_engine.begin_drain(0.2)  # what DrainingServer.shutdown does first
+        with pytest.raises(EngineUnavailableError):
+            async_engine.add_request("late", [102], long)
+        await asyncio.sleep(0.3)  # uvicorn's own wait for connections spends the drain time
+        started = time.monotonic()
+        await async_engine.shutdown(drain_timeout_s=30)
+        elapsed = time.monotonic() - started
+        with pytest.raises(EngineUnavailableError, match="shut down before"):
+            while not stream.finished:
+                await stream.next()
+        return elapsed
+
+    assert asyncio.run(drain()) < 5
     stats = async_engine.engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -56,21 +57,24 @@ def compressed_checkpoint(source: Path, scheme: str) -> Path:
     return out
 
 
-def teacher_forced_agreement(checkpoint: Path, prompts: list[list[int]], outs: list[list[int]]):
-    """Share of engine tokens that transformers' load of the same checkpoint also ranks first,
-    given the same history (a divergence does not compound), and the first-token matches."""
+def teacher_forced_logits(
+    checkpoint: Path, prompts: list[list[int]], outs: list[list[int]], dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """Transformers' logits for each engine token, given the engine's history before it (a
+    divergence does not compound)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    agree = total = first = 0
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
     with torch.inference_mode():
-        for prompt, out in zip(prompts, outs, strict=True):
-            logits = model(torch.tensor([prompt + out])).logits[0]
-            predicted = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
-            agree += sum(p == o for p, o in zip(predicted, out, strict=True))
-            total += len(out)
-            first += predicted[0] == out[0]
-    return agree / total, first
+        return [
+            model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1]
+            for prompt, out in zip(prompts, outs, strict=True)
+        ]
+
+
+def top1_agreement(logits: list[torch.Tensor], tokens: list[torch.Tensor]) -> float:
+    picks = torch.cat([rows.argmax(-1) for rows in logits])
+    return (picks == torch.cat(tokens)).float().mean().item()
 
 
 KINDS = {"W8A8": "Int8Linear", "FP8_DYNAMIC": "Fp8Linear", "W4A16": "WeightOnlyLinear"}
@@ -78,6 +82,14 @@ KINDS = {"W8A8": "Int8Linear", "FP8_DYNAMIC": "Fp8Linear", "W4A16": "WeightOnlyL
 
 @pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC", "W4A16"])
 def test_compressed_checkpoint_agrees_with_transformers(smollm2_checkpoint: Path, scheme: str):
+    """The engine against transformers' fp64 load of the same checkpoint (the quantization
+    scheme computed as exactly as it can be), with transformers' own fp32 load as the yardstick.
+    Each quantized layer equals transformers' fake-quantized one to fp32 rounding (next test), but
+    a last-bit difference can flip the rounding of the next layer's per-token activation
+    quantization, and SmolLM2's outlier channels (|h| ~ 640) make some flips visible: measured on
+    96 tokens, the engine's top-1 agreement with fp64 is W8A8 0.95, FP8_DYNAMIC 0.91, W4A16 1.0;
+    transformers' fp32 load's is 0.96, 0.89 and 1.0, and its flips move with the CPU's GEMM
+    kernels (FP8 0.94 for the engine on an AVX-512 CPU, 0.83 on an AVX2 one, against fp32)."""
     checkpoint = compressed_checkpoint(smollm2_checkpoint, scheme)
     engine = LLMEngine(
         EngineConfig(model=str(checkpoint), dtype="float32", kv_cache_memory_gib=0.05)
@@ -85,16 +97,22 @@ def test_compressed_checkpoint_agrees_with_transformers(smollm2_checkpoint: Path
     kinds = {type(layer.qkv_proj).__name__ for layer in engine.model_runner.model.layers}
     assert kinds == {KINDS[scheme]}
     prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
-    outs = engine.generate(prompts, GREEDY)
-    agreement, first = teacher_forced_agreement(checkpoint, prompts, outs)
-    # Measured: W8A8 0.92, FP8_DYNAMIC 0.94, W4A16 1.0 (FP8 0.875 while the engine skipped the
-    # activations' fp8 rounding). Each int8 layer equals transformers' fake-quantized one to
-    # fp32 rounding (next test), but a last-bit difference can flip the rounding of the next
-    # layer's per-token activation quantization, and SmolLM2's outlier channels (|h| ~ 640) make
-    # one flip visible: transformers' own fp32 and fp64 loads of this checkpoint agree only 0.94.
-    assert first == len(PROMPTS)
-    print(f"{scheme}: teacher-forced top-1 agreement {agreement:.3f}")
-    assert agreement >= 0.9
+    outs = engine.generate(prompts, replace(GREEDY, max_tokens=24))
+    exact = teacher_forced_logits(checkpoint, prompts, outs, torch.float64)
+    fp32 = teacher_forced_logits(checkpoint, prompts, outs, torch.float32)
+    tokens = [torch.tensor(out) for out in outs]
+    engine_agreement = top1_agreement(exact, tokens)
+    fp32_agreement = top1_agreement(exact, [rows.argmax(-1) for rows in fp32])
+    print(
+        f"{scheme}: top-1 agreement with fp64 {engine_agreement:.3f}, fp32's {fp32_agreement:.3f}"
+    )
+    assert [rows[0].argmax().item() for rows in exact] == [out[0] for out in outs]
+    # a flip picks a near-tie, never an unlikely token: every engine token is in fp64's top 3
+    ranks = [
+        (rows > rows.gather(1, t[:, None])).sum(1) for rows, t in zip(exact, tokens, strict=True)
+    ]
+    assert max(int(r.max()) for r in ranks) <= 2
+    assert engine_agreement >= fp32_agreement - 0.03  # 3 flips in 96 tokens
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
 

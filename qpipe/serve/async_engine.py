@@ -110,6 +110,7 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._stop = False
         self._accepting = True
+        self._drain_deadline: float | None = None
         self.error: BaseException | None = None
         self._num_waiting = 0
         self._serving = threading.Event()
@@ -161,11 +162,18 @@ class AsyncLLMEngine:
             self._commands.append(("abort", request_id, None))
         self._wake.set()
 
-    async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
-        """Stops taking requests, lets the running ones finish (up to `drain_timeout_s`), then stops
-        the engine thread."""
+    def begin_drain(self, drain_timeout_s: float) -> None:
+        """Stops taking requests and starts the clock on the unfinished ones: they get until
+        `drain_timeout_s` from now, however late `shutdown` comes."""
         self._accepting = False
-        deadline = time.monotonic() + drain_timeout_s
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + drain_timeout_s
+
+    async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        """Stops taking requests, lets the unfinished ones finish (until the deadline of a drain
+        already begun, else for `drain_timeout_s`), then stops the engine thread."""
+        self.begin_drain(drain_timeout_s)
+        deadline = self._drain_deadline
         while self.num_unfinished and time.monotonic() < deadline and self.healthy:
             await asyncio.sleep(0.05)
         if self.num_unfinished:
@@ -200,6 +208,7 @@ class AsyncLLMEngine:
                 else:
                     self._observe_stats()
                     self._wake.wait(self._idle_poll_s)
+            self._abort_unfinished()
         except BaseException as exc:  # noqa: BLE001 - every waiting client must hear about it
             log.exception("engine thread failed")
             self.error = exc
@@ -227,6 +236,15 @@ class AsyncLLMEngine:
                 if dropped is not None:
                     self.metrics.request_finished("abort")
                 self.engine.abort_request(request_id)
+
+    def _abort_unfinished(self) -> None:
+        """At shutdown, what the drain did not finish leaves the engine with its blocks freed;
+        `shutdown` then tells the clients."""
+        with self._lock:
+            unfinished = list(self._states)
+        for request_id in unfinished:
+            self.engine.abort_request(request_id)
+            self.metrics.request_finished("abort")
 
     def _hand_over(self, deliveries: list[tuple[_RequestState, GenerationChunk] | None]) -> None:
         """One wake-up of each event loop per step, not one per request: with 64 streams the

@@ -84,6 +84,7 @@ def serve(
     from qpipe.serve.async_engine import AsyncLLMEngine
     from qpipe.serve.config import EngineConfig
     from qpipe.serve.engine import LLMEngine
+    from qpipe.serve.http_server import DrainingServer
     from qpipe.serve.metrics import ServerMetrics
 
     path = resolve_model_path(model, store)
@@ -122,9 +123,9 @@ def serve(
         drain_timeout_s=drain_timeout,
     )
     console.print(f"serving [bold]{name}[/] on http://{host}:{port}/v1")
-    uvicorn.run(
-        build_app(async_engine, settings),
-        host=host,
-        port=port,
-        timeout_graceful_shutdown=drain_timeout,
-    )
+    app = build_app(async_engine, settings)
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=drain_timeout)
+    server = DrainingServer(config, async_engine)
+    server.run()
+    if not server.started:  # the port was taken, say: uvicorn logged why
+        raise typer.Exit(3)

@@ -67,9 +67,9 @@ class ModelRunner:
             log.info("max_model_len %d: the checkpoint's sliding attention window", max_len)
         torch.manual_seed(config.seed)
         self.model = load_model(path, self.dtype, config.device, max_len)
-        if config.device == "cpu" and torch.backends.mkldnn.is_available():
+        if config.device == "cpu":
             packed = pack_linear_weights(self.model, min(config.max_num_seqs, 256))
-            log.info("%d linear layers packed for oneDNN", packed)
+            log.info("%d linear layers packed for this CPU", packed)
         hf = self.model.config
         eos = raw.get("eos_token_id")
         self.eos_token_ids = frozenset(

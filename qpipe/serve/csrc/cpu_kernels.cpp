@@ -397,9 +397,22 @@ void scale_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& row_scal
   });
 }
 
-// oneDNN's int8 GEMM on a packed weight, (q @ w.T) * weight_scale in fp32.
+// (q @ w.T) * weight_scale in fp32: oneDNN's int8 GEMM on a packed int8 weight, or, on a CPU
+// without VNNI where that GEMM saturates (Int8Linear.pack_for_cpu), an fp32 GEMM over the int8
+// values, oneDNN's on a packed weight or torch's on a plain one (exact either way: the sums are
+// integers below 2^24).
 at::Tensor int8_product(const at::Tensor& q, const at::Tensor& packed_weight,
                         const at::Tensor& weight_scale, const at::Tensor& zero_points) {
+  if (packed_weight.scalar_type() == at::kFloat) {
+    static const c10::OperatorHandle linear =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    const at::Tensor values = q.to(at::kFloat);
+    if (!packed_weight.is_mkldnn()) return at::mm(values, packed_weight.t()).mul_(weight_scale);
+    torch::jit::Stack stack{values, packed_weight, c10::IValue(), "none",
+                            c10::List<c10::optional<at::Scalar>>(), ""};
+    linear.callBoxed(&stack);
+    return stack.back().toTensor().mul_(weight_scale);
+  }
   static const c10::OperatorHandle qlinear =
       c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
   torch::jit::Stack stack{q,      1.0,     int64_t{0}, packed_weight,       weight_scale,

@@ -35,19 +35,23 @@ if platform.machine() in ("x86_64", "AMD64"):
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _cpu_flags() -> str:
+@functools.cache
+def cpuinfo(field: str) -> str | None:
+    """A field of the first CPU in /proc/cpuinfo (`flags`, `vendor_id`); None off Linux."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+            name, _, value = line.partition(":")
+            if name.strip() == field:
+                return value.strip()
     except OSError:
         pass
-    return platform.processor()
+    return None
 
 
 def build_name() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _cpu_flags().encode()):
+    flags = cpuinfo("flags") or platform.processor()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), flags.encode()):
         digest.update(part)
     return f"qpipe_cpu_kernels_{digest.hexdigest()[:12]}"
 

@@ -6,6 +6,8 @@ names its format in `kind`, so a qpipe artifact can save the buffers and load th
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import ClassVar
 
 import torch
@@ -13,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qpipe.serve.layers import cpu_kernels
+
+log = logging.getLogger(__name__)
 
 
 class LinearBase(nn.Module):
@@ -25,10 +29,10 @@ class LinearBase(nn.Module):
         disk); returns the layer."""
         return self
 
-    def pack_for_onednn(self, batch_hint: int) -> bool:
-        """Reorders the weight once into oneDNN's blocked layout for CPU serving, where the
-        layer's format gains from it; returns whether it did. A packed layer serves, it is not
-        saved: the packed weight replaces the plain one so memory does not double."""
+    def pack_for_cpu(self, batch_hint: int) -> bool:
+        """Puts the weight once into the form this CPU's GEMM takes best (oneDNN's blocked
+        layout, where the format gains from it); returns whether it did. A packed layer serves,
+        it is not saved: the packed weight replaces the plain one so memory does not double."""
         return False
 
     @classmethod
@@ -53,11 +57,20 @@ class DenseLinear(LinearBase):
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
 
-    def pack_for_onednn(self, batch_hint: int) -> bool:
-        """bf16 only: reordered once instead of inside every call (measured here: 1.3-1.6x per
-        GEMM for 1-256 rows, the same results bit for bit, no change at 2048 rows); fp32 packing
-        changes results and gains nothing."""
-        if self.weight.dtype is not torch.bfloat16:
+    def pack_for_cpu(self, batch_hint: int) -> bool:
+        """Reordered once for oneDNN's GEMM instead of inside every call:
+        - bf16 (measured on an AMX CPU: 1.3-1.6x per GEMM for 1-256 rows, the same results bit
+          for bit, no change at 2048 rows), where oneDNN takes bf16: AVX-512 or AVX-NE-CONVERT;
+        - fp32 on CPUs where torch's fp32 GEMM, MKL's, runs generic code: not Intel's. Measured on
+          an AMD Zen 3 (AVX2), oneDNN on the packed weight against MKL: 2-3x at 8 rows, 1.3-2x at
+          32, 1.15-1.6x at 64, 0.9-1.05x at 256-2048 rows, 0.75-0.93x at 1 (the 49k-row LM
+          head: 1.6-3x throughout). On an Intel CPU it gained nothing and would only move
+          results' last bits."""
+        dtype = self.weight.dtype
+        if dtype is torch.bfloat16:
+            if not _onednn_bf16_supported():
+                return False
+        elif dtype is not torch.float32 or not _mkl_runs_generic_code():
             return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch_hint)
         self.weight = None
@@ -65,17 +78,65 @@ class DenseLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(
-                x.contiguous(), self.packed, self.bias, "none", [], ""
-            )
+            return _onednn_linear(x.contiguous(), self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
 def pack_linear_weights(model: nn.Module, batch_hint: int) -> int:
-    """Packs the linear layers of a CPU model for oneDNN where their format gains from it;
-    returns how many were packed."""
+    """Packs the linear layers of a CPU model where their format gains from it; returns how many
+    were packed."""
     layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.packed is None]
-    return sum(layer.pack_for_onednn(batch_hint) for layer in layers)
+    return sum(layer.pack_for_cpu(batch_hint) for layer in layers)
+
+
+def _onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _onednn_bf16_supported() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _mkl_runs_generic_code() -> bool:
+    return (
+        torch.backends.mkldnn.is_available()
+        and torch.backends.mkl.is_available()
+        and cpu_kernels.cpuinfo("vendor_id") not in (None, "GenuineIntel")
+    )
+
+
+def _onednn_int8_product(
+    q: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor, zero_points: torch.Tensor
+) -> torch.Tensor:
+    """(q @ weight.T) * weight_scale in fp32 on oneDNN's int8 GEMM, activation scale 1."""
+    return torch.ops.onednn.qlinear_pointwise(
+        q, 1.0, 0, packed, weight_scale, zero_points, None, 1.0, 0,
+        torch.float32, "none", [], "",
+    )  # fmt: skip
+
+
+@functools.cache
+def onednn_int8_is_exact() -> bool:
+    """Whether oneDNN's int8 GEMM returns exact sums on this CPU. It does with VNNI (AVX512-VNNI,
+    AVX-VNNI, AMX). Without it (AVX2-only CPUs such as AMD Zen 3) oneDNN shifts the int8
+    activations to uint8 and multiplies pairs with `vpmaddubsw`, whose int16 pair sums saturate:
+    measured on a Zen 3, errors of ~20 % of the output's range on random operands. One product
+    at the saturating corner (both operands 127) tells which."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    weight = torch.full((16, 64), 127, dtype=torch.int8)
+    packed = torch.ops.onednn.qlinear_prepack(weight, [4, 64])
+    q = torch.full((4, 64), 127, dtype=torch.int8)
+    product = _onednn_int8_product(q, packed, torch.ones(16), torch.zeros(16, dtype=torch.long))
+    exact = bool((product == 127 * 127 * 64).all())
+    if not exact:
+        log.warning(
+            "oneDNN's int8 GEMM saturates on this CPU (no VNNI): W8A8 layers multiply their int8 "
+            "values in fp32 instead (the same results, at fp32 speed and 4 bytes per weight)"
+        )
+    return exact
 
 
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +150,11 @@ def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 class Int8Linear(LinearBase):
     """W8A8 int8: per-output-channel weight scales, activations quantized per token at run time.
     On CPU the product runs on oneDNN's int8 GEMM with the weight packed once (AMX/VNNI; measured
-    here 2-4x `torch._int_mm` at 2048 rows, up to 1.7x at 32); on GPU on `torch._int_mm`.
-    Both compute (acc * weight_scale) * token_scale in fp32, rounded once to the model dtype."""
+    2-4x `torch._int_mm` at 2048 rows, up to 1.7x at 32); on a CPU without VNNI, where that GEMM
+    saturates and `_int_mm` is ~10x slower than fp32, on an fp32 GEMM over the int8 values
+    (products and sums of integers are exact in fp32 below 2^24, far above what per-token
+    quantized activations reach); on GPU on `torch._int_mm`. All compute
+    (acc * weight_scale) * token_scale in fp32, rounded once to the model dtype."""
 
     kind = "int8_w8a8"
 
@@ -102,10 +166,15 @@ class Int8Linear(LinearBase):
         self.register_buffer("weight_scale", weight_scale.reshape(1, -1).float())
         self.register_buffer("bias", bias)
 
-    def pack_for_onednn(self, batch_hint: int) -> bool:
-        self.packed = torch.ops.onednn.qlinear_prepack(
-            self.weight, [batch_hint, self.weight.shape[1]]
-        )
+    def pack_for_cpu(self, batch_hint: int) -> bool:
+        if onednn_int8_is_exact():
+            self.packed = torch.ops.onednn.qlinear_prepack(
+                self.weight, [batch_hint, self.weight.shape[1]]
+            )
+        elif _mkl_runs_generic_code():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.float(), batch_hint)
+        else:
+            self.packed = self.weight.float()
         self.weight = None
         self.weight_zero_points = torch.zeros(self.weight_scale.numel(), dtype=torch.long)
         if self.bias is not None:  # added to the fp32 product either way
@@ -116,7 +185,7 @@ class Int8Linear(LinearBase):
         shape = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if self.packed is not None and cpu_kernels.usable(x2) and x2.stride(-1) == 1:
-            y = cpu_kernels.ops.int8_linear(x2, *self.onednn_operands(), self.bias)
+            y = cpu_kernels.ops.int8_linear(x2, *self.cpu_operands(), self.bias)
             return y.reshape(*shape, -1)
         q, scale = quantize_per_token_int8(x2.float())
         y = self._scaled_product(q).mul_(scale)
@@ -124,19 +193,20 @@ class Int8Linear(LinearBase):
             y += self.bias
         return y.to(x.dtype).reshape(*shape, -1)
 
-    def onednn_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What the packed layer hands oneDNN's int8 GEMM: weight, per-channel scales, zero
-        points."""
+    def cpu_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the packed layer hands the CPU kernels' int8 product: weight (oneDNN-packed, or
+        the int8 values in fp32), per-channel scales, zero points."""
         return self.packed, self.weight_scale.view(-1), self.weight_zero_points
 
     def _scaled_product(self, q: torch.Tensor) -> torch.Tensor:
         """(q @ weight.T) * weight_scale in fp32: the int32 accumulator never leaves the GEMM."""
-        if self.packed is not None:
-            packed, weight_scale, zero_points = self.onednn_operands()
-            return torch.ops.onednn.qlinear_pointwise(
-                q, 1.0, 0, packed, weight_scale, zero_points, None, 1.0, 0,
-                torch.float32, "none", [], "",
-            )  # fmt: skip
+        packed = self.packed
+        if packed is not None and packed.dtype is torch.int8:
+            return _onednn_int8_product(q, *self.cpu_operands())
+        if packed is not None and packed.is_mkldnn:
+            return _onednn_linear(q.float(), packed, None).mul_(self.weight_scale)
+        if packed is not None:
+            return F.linear(q.float(), packed).mul_(self.weight_scale)
         rows = q.shape[0]
         if q.is_cuda and rows <= 16:  # cuBLAS int8 GEMM needs M > 16
             q = F.pad(q, (0, 0, 0, 17 - rows))
