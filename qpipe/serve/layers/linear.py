@@ -126,11 +126,13 @@ def onednn_int8_is_exact() -> bool:
     at the saturating corner (both operands 127) tells which."""
     if not torch.backends.mkldnn.is_available():
         return False
-    weight = torch.full((16, 64), 127, dtype=torch.int8)
-    packed = torch.ops.onednn.qlinear_prepack(weight, [4, 64])
-    q = torch.full((4, 64), 127, dtype=torch.int8)
-    product = _onednn_int8_product(q, packed, torch.ones(16), torch.zeros(16, dtype=torch.long))
-    exact = bool((product == 127 * 127 * 64).all())
+    rows, cols, depth = 32, 64, 256  # decode-like, so oneDNN picks the kernels serving will use
+    weight = torch.full((cols, depth), 127, dtype=torch.int8)
+    packed = torch.ops.onednn.qlinear_prepack(weight, [rows, depth])
+    q = torch.full((rows, depth), 127, dtype=torch.int8)
+    zero_points = torch.zeros(cols, dtype=torch.long)
+    product = _onednn_int8_product(q, packed, torch.ones(cols), zero_points)
+    exact = bool((product == 127 * 127 * depth).all())
     if not exact:
         log.warning(
             "oneDNN's int8 GEMM saturates on this CPU (no VNNI): W8A8 layers multiply their int8 "
