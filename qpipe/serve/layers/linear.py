@@ -66,20 +66,14 @@ class DenseLinear(LinearBase):
           32, 1.15-1.6x at 64, 0.9-1.05x at 256-2048 rows, 0.75-0.93x at 1 (the 49k-row LM
           head: 1.6-3x throughout). On an Intel CPU it gained nothing and would only move
           results' last bits."""
-        dtype = self.weight.dtype
-        if dtype is torch.bfloat16:
-            if not _onednn_bf16_supported():
-                return False
-        elif dtype is not torch.float32 or not _mkl_runs_generic_code():
+        self.packed = _packed_for_onednn(self.weight, batch_hint)
+        if self.packed is None:
             return False
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, batch_hint)
         self.weight = None
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return _onednn_linear(x.contiguous(), self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return _dense_product(x, self.weight if self.packed is None else self.packed, self.bias)
 
 
 def pack_linear_weights(model: nn.Module, batch_hint: int) -> int:
@@ -89,14 +83,25 @@ def pack_linear_weights(model: nn.Module, batch_hint: int) -> int:
     return sum(layer.pack_for_cpu(batch_hint) for layer in layers)
 
 
-def _onednn_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+def _packed_for_onednn(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
+    """`weight` reordered for oneDNN's GEMM where that gains (see `DenseLinear.pack_for_cpu`),
+    else None."""
+    if weight.dtype is torch.bfloat16:
+        gains = (
+            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
+    else:
+        gains = weight.dtype is torch.float32 and _mkl_runs_generic_code()
+    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint) if gains else None
+
+
+def _dense_product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def _onednn_bf16_supported() -> bool:
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """x @ weight.T + bias, on oneDNN for a weight it packed, else on torch's GEMM."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def _mkl_runs_generic_code() -> bool:
@@ -173,10 +178,10 @@ class Int8Linear(LinearBase):
             self.packed = torch.ops.onednn.qlinear_prepack(
                 self.weight, [batch_hint, self.weight.shape[1]]
             )
-        elif _mkl_runs_generic_code():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.float(), batch_hint)
         else:
-            self.packed = self.weight.float()
+            values = self.weight.float()
+            packed = _packed_for_onednn(values, batch_hint)
+            self.packed = values if packed is None else packed
         self.weight = None
         self.weight_zero_points = torch.zeros(self.weight_scale.numel(), dtype=torch.long)
         if self.bias is not None:  # added to the fp32 product either way
@@ -202,13 +207,10 @@ class Int8Linear(LinearBase):
 
     def _scaled_product(self, q: torch.Tensor) -> torch.Tensor:
         """(q @ weight.T) * weight_scale in fp32: the int32 accumulator never leaves the GEMM."""
-        packed = self.packed
-        if packed is not None and packed.dtype is torch.int8:
+        if self.packed is not None and self.packed.dtype is torch.int8:
             return _onednn_int8_product(q, *self.cpu_operands())
-        if packed is not None and packed.is_mkldnn:
-            return _onednn_linear(q.float(), packed, None).mul_(self.weight_scale)
-        if packed is not None:
-            return F.linear(q.float(), packed).mul_(self.weight_scale)
+        if self.packed is not None:  # the int8 values in fp32
+            return _dense_product(q.float(), self.packed, None).mul_(self.weight_scale)
         rows = q.shape[0]
         if q.is_cuda and rows <= 16:  # cuBLAS int8 GEMM needs M > 16
             q = F.pad(q, (0, 0, 0, 17 - rows))
