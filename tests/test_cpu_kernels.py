@@ -18,6 +18,7 @@ from qpipe.serve.layers.attention import _gather, cache_views
 from qpipe.serve.layers.linear import (
     DenseLinear,
     Int8Linear,
+    WeightOnlyLinear,
     onednn_int8_is_exact,
     pack_linear_weights,
     quantize_per_token_int8,
@@ -257,6 +258,53 @@ def test_int8_linear_kernels_equal_the_eager_w8a8_path(
     close(layer(x), eager.to(dtype), dtype)
     monkeypatch.setattr(cpu_kernels, "load", lambda: False)
     close(layer(x), eager.to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_points", [False, True])
+@pytest.mark.parametrize(("in_features", "group"), [(192, 32), (200, 40)])
+def test_weight_only_kernels_equal_the_exact_product(
+    dtype: torch.dtype, zero_points: bool, in_features: int, group: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """int4/int8 weight-only layers: the kernels (weight expanded in registers for a few rows, in
+    an L1 panel for more, all at once above FUSED_MAX_ROWS) and the eager expansion both equal
+    the product in fp64, for row counts that reach each path and its tails, 130 output features
+    (not a whole number of 4-row tiles), and an in_features the kernels don't take (200: eager)."""
+    gen = torch.Generator().manual_seed(5)
+    out_features = 130
+    groups = in_features // group
+    weight = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scale = torch.rand(out_features, groups, generator=gen) * 1e-2 + 1e-3
+    zero = torch.randint(-8, 8, (out_features, groups), generator=gen) if zero_points else None
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    layer = WeightOnlyLinear(weight, scale, zero, bias)
+    grouped = weight.double().view(out_features, groups, group)
+    if zero is not None:
+        grouped = grouped - zero.double().unsqueeze(-1)
+    exact_weight = (grouped * scale.double().unsqueeze(-1)).view(out_features, in_features)
+    for rows in (1, 2, 3, 4, 5, 32, WeightOnlyLinear.FUSED_MAX_ROWS + 1, 100):
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        exact = F.linear(x.double(), exact_weight, bias.double())
+        # a GEMM's rounding error scales with its outputs' magnitude, not each element's
+        atol = {torch.float32: 1e-6, torch.bfloat16: 1.6e-2}[dtype] * exact.abs().max().item()
+        torch.testing.assert_close(layer(x).double(), exact, atol=atol, rtol=0)
+        with monkeypatch.context() as eager:
+            eager.setattr(cpu_kernels, "load", lambda: False)
+            torch.testing.assert_close(layer(x).double(), exact, atol=atol, rtol=0)
+    x3 = torch.randn(2, 3, in_features, generator=gen).to(dtype)  # leading dims are kept
+    assert layer(x3).shape == (2, 3, out_features)
+
+
+def test_weight_only_kernel_rejects_what_it_cannot_read() -> None:
+    weight = torch.zeros(8, 64, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="multiple of"):
+        cpu_kernels.ops.weight_only_linear(torch.zeros(1, 60), weight[:, :60].contiguous(),
+                                           torch.ones(8, 1), None, None)  # fmt: skip
+    with pytest.raises(RuntimeError, match="scales must be"):
+        cpu_kernels.ops.weight_only_linear(torch.zeros(1, 64), weight, torch.ones(8, 3), None, None)
+    with pytest.raises(RuntimeError, match="zero points must be"):
+        cpu_kernels.ops.weight_only_expand(weight, torch.ones(8, 2), torch.ones(8, 1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
