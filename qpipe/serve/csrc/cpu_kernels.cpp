@@ -558,24 +558,26 @@ void expand_rows(float* dst, const int8_t* q, const float* scales, const float* 
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
-// ROWS input rows against the kWoCols panel rows: dot products along k in vector lanes, summed
-// across lanes once at the end. sums: [ROWS][kWoCols]. The unroll pragmas make GCC keep the
-// accumulators in registers; without them it keeps them on the stack (half the speed).
+// acc[r][c] += x[r][i, i + kWoLanes) * w[c] for the ROWS rows of x (row stride k). The unroll
+// pragmas make GCC keep the accumulators in registers; without them it keeps them on the stack
+// (half the speed).
 template <int ROWS>
-void panel_dots(float* sums, const float* x, int64_t k, const float* panel) {
-  wo_vec acc[ROWS][kWoCols] = {};
-  for (int64_t i = 0; i < k; i += kWoLanes) {
-    wo_vec w[kWoCols];
+__attribute__((always_inline)) inline void multiply_add(wo_vec (&acc)[ROWS][kWoCols],
+                                                        const wo_vec (&w)[kWoCols],
+                                                        const float* x, int64_t k, int64_t i) {
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < kWoCols; ++c) std::memcpy(&w[c], panel + c * k + i, sizeof(wo_vec));
+  for (int r = 0; r < ROWS; ++r) {
+    wo_vec xv;
+    std::memcpy(&xv, x + r * k + i, sizeof xv);
 #pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) {
-      wo_vec xv;
-      std::memcpy(&xv, x + r * k + i, sizeof xv);
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kWoCols; ++c) acc[r][c] += xv * w[c];
-    }
+    for (int64_t c = 0; c < kWoCols; ++c) acc[r][c] += xv * w[c];
   }
+}
+
+// sums[r][c]: the lanes of acc[r][c] added up.
+template <int ROWS>
+__attribute__((always_inline)) inline void lane_sums(float* sums,
+                                                     const wo_vec (&acc)[ROWS][kWoCols]) {
   for (int r = 0; r < ROWS; ++r) {
     for (int64_t c = 0; c < kWoCols; ++c) {
       float total = 0.f;
@@ -583,6 +585,20 @@ void panel_dots(float* sums, const float* x, int64_t k, const float* panel) {
       sums[r * kWoCols + c] = total;
     }
   }
+}
+
+// ROWS input rows against the kWoCols panel rows: dot products along k in vector lanes, summed
+// across lanes once at the end. sums: [ROWS][kWoCols].
+template <int ROWS>
+void panel_dots(float* sums, const float* x, int64_t k, const float* panel) {
+  wo_vec acc[ROWS][kWoCols] = {};
+  for (int64_t i = 0; i < k; i += kWoLanes) {
+    wo_vec w[kWoCols];
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < kWoCols; ++c) std::memcpy(&w[c], panel + c * k + i, sizeof(wo_vec));
+    multiply_add<ROWS>(acc, w, x, k, i);
+  }
+  lane_sums<ROWS>(sums, acc);
 }
 
 // For inputs of at most kWoRows rows, where storing a panel and reading it back would cost more
@@ -605,22 +621,10 @@ void direct_dots(float* sums, const float* x, int64_t k, const int8_t* q, const 
       for (int64_t c = 0; c < kWoCols; ++c) {
         w[c] = (widen_int8(q + (first + c) * k + i) - z[c]) * s[c];
       }
-#pragma GCC unroll 8
-      for (int r = 0; r < ROWS; ++r) {
-        wo_vec xv;
-        std::memcpy(&xv, x + r * k + i, sizeof xv);
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < kWoCols; ++c) acc[r][c] += xv * w[c];
-      }
+      multiply_add<ROWS>(acc, w, x, k, i);
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    for (int64_t c = 0; c < kWoCols; ++c) {
-      float total = 0.f;
-      for (int64_t l = 0; l < kWoLanes; ++l) total += acc[r][c][l];
-      sums[r * kWoCols + c] = total;
-    }
-  }
+  lane_sums<ROWS>(sums, acc);
 }
 #pragma GCC pop_options
 
