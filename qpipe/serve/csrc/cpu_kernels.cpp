@@ -117,6 +117,39 @@ inline f32x16 rnd(f32x16 v) {
   }
 }
 
+// The CPU's own vector: 16 floats with AVX-512, 8 with AVX2. GCC lowers f32x16 on AVX2 as pieces
+// that go through the stack, which is harmless in a streaming pass but not where vectors live in
+// registers across a loop (measured: decode attention 1.7 ms per SmolLM2 layer at 32 sequences
+// with f32x16 on a Zen 3, 0.55 ms with this type); those loops use fvec.
+#if defined(__AVX512F__)
+typedef float fvec __attribute__((vector_size(64)));
+typedef uint16_t u16vec __attribute__((vector_size(32)));
+typedef uint32_t u32vec __attribute__((vector_size(64)));
+#else
+typedef float fvec __attribute__((vector_size(32)));
+typedef uint16_t u16vec __attribute__((vector_size(16)));
+typedef uint32_t u32vec __attribute__((vector_size(32)));
+#endif
+constexpr int64_t kVecLanes = sizeof(fvec) / sizeof(float);
+
+inline fvec loadv(const float* p) {
+  fvec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline fvec loadv(const bf16* p) {
+  u16vec h;
+  std::memcpy(&h, p, sizeof h);
+  const u32vec w = __builtin_convertvector(h, u32vec) << 16;
+  fvec v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+template <typename T>
+inline void stv(T* p, fvec v) {
+  for (int64_t l = 0; l < kVecLanes; ++l) st(p + l, v[l]);
+}
+
 // One float or 16 of them from memory, so that one generic loop body (`for_lanes`) serves the
 // vector part of a row and its scalar tail.
 template <typename V, typename T>
@@ -507,13 +540,10 @@ at::Tensor int8_gated_mlp(const at::Tensor& x, const at::Tensor& gate_up_weight,
 // expanded into an L1-sized panel that every row then runs against (panel_dots). Inputs of many
 // rows (prefill) take weight_only_expand and one GEMM instead (WeightOnlyLinear decides).
 #if defined(__AVX512F__)
-typedef float wo_vec __attribute__((vector_size(64)));
 constexpr int kWoRows = 4;  // 16 accumulators and 4 input vectors of 32 registers
 #else
-typedef float wo_vec __attribute__((vector_size(32)));
 constexpr int kWoRows = 3;  // 12 accumulators and 3 input vectors of 16 registers
 #endif
-constexpr int64_t kWoLanes = sizeof(wo_vec) / sizeof(float);
 constexpr int64_t kWoCols = 4;
 
 inline void prefetch_bytes(const void* p, int64_t bytes) {
@@ -521,10 +551,10 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
-// kWoLanes int8 values as floats. GCC's generic conversion of a narrow int8 vector goes one
+// kVecLanes int8 values as floats. GCC's generic conversion of a narrow int8 vector goes one
 // element at a time; the sign-extend and convert instructions take two steps for all lanes.
-inline wo_vec widen_int8(const int8_t* p) {
-  wo_vec out;
+inline fvec widen_int8(const int8_t* p) {
+  fvec out;
 #if defined(__AVX512F__)
   const __m512 v = _mm512_cvtepi32_ps(
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -534,7 +564,7 @@ inline wo_vec widen_int8(const int8_t* p) {
       _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   std::memcpy(&out, &v, sizeof out);
 #else
-  for (int64_t l = 0; l < kWoLanes; ++l) out[l] = static_cast<float>(p[l]);
+  for (int64_t l = 0; l < kVecLanes; ++l) out[l] = static_cast<float>(p[l]);
 #endif
   return out;
 }
@@ -558,16 +588,16 @@ void expand_rows(float* dst, const int8_t* q, const float* scales, const float* 
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
-// acc[r][c] += x[r][i, i + kWoLanes) * w[c] for the ROWS rows of x (row stride k). The unroll
+// acc[r][c] += x[r][i, i + kVecLanes) * w[c] for the ROWS rows of x (row stride k). The unroll
 // pragmas make GCC keep the accumulators in registers; without them it keeps them on the stack
 // (half the speed).
 template <int ROWS>
-__attribute__((always_inline)) inline void multiply_add(wo_vec (&acc)[ROWS][kWoCols],
-                                                        const wo_vec (&w)[kWoCols],
+__attribute__((always_inline)) inline void multiply_add(fvec (&acc)[ROWS][kWoCols],
+                                                        const fvec (&w)[kWoCols],
                                                         const float* x, int64_t k, int64_t i) {
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
-    wo_vec xv;
+    fvec xv;
     std::memcpy(&xv, x + r * k + i, sizeof xv);
 #pragma GCC unroll 8
     for (int64_t c = 0; c < kWoCols; ++c) acc[r][c] += xv * w[c];
@@ -577,11 +607,11 @@ __attribute__((always_inline)) inline void multiply_add(wo_vec (&acc)[ROWS][kWoC
 // sums[r][c]: the lanes of acc[r][c] added up.
 template <int ROWS>
 __attribute__((always_inline)) inline void lane_sums(float* sums,
-                                                     const wo_vec (&acc)[ROWS][kWoCols]) {
+                                                     const fvec (&acc)[ROWS][kWoCols]) {
   for (int r = 0; r < ROWS; ++r) {
     for (int64_t c = 0; c < kWoCols; ++c) {
       float total = 0.f;
-      for (int64_t l = 0; l < kWoLanes; ++l) total += acc[r][c][l];
+      for (int64_t l = 0; l < kVecLanes; ++l) total += acc[r][c][l];
       sums[r * kWoCols + c] = total;
     }
   }
@@ -591,11 +621,11 @@ __attribute__((always_inline)) inline void lane_sums(float* sums,
 // across lanes once at the end. sums: [ROWS][kWoCols].
 template <int ROWS>
 void panel_dots(float* sums, const float* x, int64_t k, const float* panel) {
-  wo_vec acc[ROWS][kWoCols] = {};
-  for (int64_t i = 0; i < k; i += kWoLanes) {
-    wo_vec w[kWoCols];
+  fvec acc[ROWS][kWoCols] = {};
+  for (int64_t i = 0; i < k; i += kVecLanes) {
+    fvec w[kWoCols];
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < kWoCols; ++c) std::memcpy(&w[c], panel + c * k + i, sizeof(wo_vec));
+    for (int64_t c = 0; c < kWoCols; ++c) std::memcpy(&w[c], panel + c * k + i, sizeof(fvec));
     multiply_add<ROWS>(acc, w, x, k, i);
   }
   lane_sums<ROWS>(sums, acc);
@@ -608,15 +638,15 @@ template <int ROWS>
 void direct_dots(float* sums, const float* x, int64_t k, const int8_t* q, const float* scales,
                  const float* zeros, int64_t first, int64_t group) {
   const int64_t groups = k / group;
-  wo_vec acc[ROWS][kWoCols] = {};
+  fvec acc[ROWS][kWoCols] = {};
   for (int64_t g = 0; g < groups; ++g) {
     float s[kWoCols], z[kWoCols];
     for (int64_t c = 0; c < kWoCols; ++c) {
       s[c] = scales[(first + c) * groups + g];
       z[c] = zeros != nullptr ? zeros[(first + c) * groups + g] : 0.f;
     }
-    for (int64_t i = g * group; i < (g + 1) * group; i += kWoLanes) {
-      wo_vec w[kWoCols];
+    for (int64_t i = g * group; i < (g + 1) * group; i += kVecLanes) {
+      fvec w[kWoCols];
 #pragma GCC unroll 8
       for (int64_t c = 0; c < kWoCols; ++c) {
         w[c] = (widen_int8(q + (first + c) * k + i) - z[c]) * s[c];
@@ -677,7 +707,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
   check_weight_only(weight, scales, zeros);
   const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
   TORCH_CHECK(weight.size(1) == k, "x and weight disagree on in_features");
-  TORCH_CHECK(k % kWoLanes == 0, "in_features must be a multiple of ", kWoLanes);
+  TORCH_CHECK(k % kVecLanes == 0, "in_features must be a multiple of ", kVecLanes);
   const bool has_zeros = zeros.has_value() && zeros->defined();
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || (bias->numel() == n && bias->scalar_type() == x.scalar_type() &&
@@ -704,7 +734,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
         }
       }
     };
-    const bool direct = rows <= kWoRows && group % kWoLanes == 0;
+    const bool direct = rows <= kWoRows && group % kVecLanes == 0;
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> panel(direct ? 0 : kWoCols * k);
       float sums[kWoRows * kWoCols];
@@ -780,6 +810,8 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, con
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 
+constexpr int64_t kMaxHeadsPerPass = 4;  // query heads sharing one pass over K and V
+
 template <typename T>
 struct DecodeArgs {
   const T* q;
@@ -794,21 +826,22 @@ struct DecodeArgs {
 };
 
 // NG query heads (first_head onwards) of sequence b that share KV head kvh: each K and V vector
-// is loaded once for all of them, and NG independent sums hide the multiply-add latency. CHUNKS
-// (head_dim / 16) fixed at compile time keeps the NG output accumulators in registers.
-template <typename T, int NG, int CHUNKS>
+// is loaded once for all of them, and NG independent sums hide the multiply-add latency. Vectors
+// are the CPU's own width (fvec), so the NG sums and the NG output accumulators stay in registers.
+template <typename T, int NG>
 void attend(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t first_head, float* qf,
             float* scores) {
   const int64_t dim = a.dim, bs = a.block_size, len = a.lengths[b];
   const int64_t blocks = (len + bs - 1) / bs, v_row = a.kv_heads * dim;
   const int32_t* table = a.tables + b * a.table_width;
-  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const f32x16 minus_inf = f32x16{} - INFINITY;
+  fvec lane;
+  for (int64_t l = 0; l < kVecLanes; ++l) lane[l] = static_cast<float>(l);
+  const fvec minus_inf = fvec{} - INFINITY;
   for (int g = 0; g < NG; ++g) {
     const T* src = a.q + b * a.q_batch + (first_head + g) * a.q_head;
     for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = ld(src + d) * a.scale;
   }
-  f32x16 top[NG];
+  fvec top[NG];
   for (int g = 0; g < NG; ++g) top[g] = minus_inf;
   for (int64_t j = 0; j < blocks; ++j) {
     const T* kt = a.k + (table[j] * a.kv_heads + kvh) * dim * bs;
@@ -817,15 +850,15 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t first_head, 
       const T* vn = a.v + table[j + 1] * bs * v_row + kvh * dim;
       for (int64_t t = 0; t < bs; ++t) prefetch_bytes(vn + t * v_row, dim * sizeof(T));
     }
-    for (int64_t c = 0; c < bs; c += 16) {
-      f32x16 s[NG] = {};
+    for (int64_t c = 0; c < bs; c += kVecLanes) {
+      fvec s[NG] = {};
       for (int64_t d = 0; d < dim; ++d) {
-        const f32x16 k = load16(kt + d * bs + c);
+        const fvec k = loadv(kt + d * bs + c);
         for (int g = 0; g < NG; ++g) s[g] += qf[g * dim + d] * k;
       }
       const int64_t first = j * bs + c;
       for (int g = 0; g < NG; ++g) {
-        const f32x16 masked = lane < static_cast<float>(len - first) ? s[g] : minus_inf;
+        const fvec masked = lane < static_cast<float>(len - first) ? s[g] : minus_inf;
         std::memcpy(scores + g * a.padded + first, &masked, sizeof masked);
         top[g] = top[g] > masked ? top[g] : masked;
       }
@@ -834,7 +867,7 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t first_head, 
   float inv[NG];
   for (int g = 0; g < NG; ++g) {
     float m = top[g][0];
-    for (int i = 1; i < 16; ++i) m = std::max(m, top[g][i]);
+    for (int64_t l = 1; l < kVecLanes; ++l) m = std::max(m, top[g][l]);
     float* sg = scores + g * a.padded;
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
@@ -844,49 +877,45 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t first_head, 
     }
     inv[g] = 1.f / total;
   }
-  const int64_t chunks = CHUNKS > 0 ? CHUNKS : dim / 16;
-  constexpr int kSlots = CHUNKS > 0 ? CHUNKS : 16;  // head_dim <= 256 on the generic path
-  f32x16 acc[NG][kSlots] = {};
-  for (int64_t j = 0; j < blocks; ++j) {
-    const T* vb = a.v + table[j] * bs * v_row + kvh * dim;
-    const int64_t first = j * bs, valid = std::min(bs, len - first);
-    for (int64_t t = 0; t < valid; ++t) {
-      for (int64_t c = 0; c < chunks; ++c) {
-        const f32x16 v = load16(vb + t * v_row + 16 * c);
-        for (int g = 0; g < NG; ++g) acc[g][c] += scores[g * a.padded + first + t] * v;
+  // one vector of output lanes at a time over the whole context: NG accumulators, and every V
+  // cache line still read once
+  for (int64_t c = 0; c < dim; c += kVecLanes) {
+    fvec acc[NG] = {};
+    for (int64_t j = 0; j < blocks; ++j) {
+      const T* vb = a.v + table[j] * bs * v_row + kvh * dim + c;
+      const int64_t first = j * bs, valid = std::min(bs, len - first);
+      for (int64_t t = 0; t < valid; ++t) {
+        const fvec v = loadv(vb + t * v_row);
+        for (int g = 0; g < NG; ++g) acc[g] += scores[g * a.padded + first + t] * v;
       }
     }
-  }
-  for (int g = 0; g < NG; ++g) {
-    T* dst = a.out + b * a.out_batch + (first_head + g) * a.out_head;
-    for (int64_t c = 0; c < chunks; ++c) {
-      st(dst + 16 * c, acc[g][c] * inv[g]);
+    for (int g = 0; g < NG; ++g) {
+      stv(a.out + b * a.out_batch + (first_head + g) * a.out_head + c, acc[g] * inv[g]);
     }
   }
 }
 
-// Heads of one KV group in passes of at most MAX_NG (as many accumulators as registers allow).
-template <typename T, int CHUNKS, int MAX_NG>
+// Heads of one KV group in passes of at most 4.
+template <typename T>
 void attend_group(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t group, float* qf,
                   float* scores) {
-  for (int64_t h = 0; h < group; h += MAX_NG) {
+  for (int64_t h = 0; h < group; h += kMaxHeadsPerPass) {
     const int64_t first = kvh * group + h;
-    switch (std::min<int64_t>(MAX_NG, group - h)) {
-      case 1: attend<T, 1, CHUNKS>(a, b, kvh, first, qf, scores); break;
-      case 2: if constexpr (MAX_NG >= 2) attend<T, 2, CHUNKS>(a, b, kvh, first, qf, scores); break;
-      case 3: if constexpr (MAX_NG >= 3) attend<T, 3, CHUNKS>(a, b, kvh, first, qf, scores); break;
-      default: if constexpr (MAX_NG >= 4) attend<T, 4, CHUNKS>(a, b, kvh, first, qf, scores);
+    switch (std::min<int64_t>(kMaxHeadsPerPass, group - h)) {
+      case 1: attend<T, 1>(a, b, kvh, first, qf, scores); break;
+      case 2: attend<T, 2>(a, b, kvh, first, qf, scores); break;
+      case 3: attend<T, 3>(a, b, kvh, first, qf, scores); break;
+      default: attend<T, 4>(a, b, kvh, first, qf, scores);
     }
   }
 }
 
-template <typename T, int CHUNKS, int MAX_NG>
+template <typename T>
 void decode_attention_impl(const DecodeArgs<T>& a, int64_t batch, int64_t group) {
   at::parallel_for(0, batch * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(MAX_NG * a.dim), scores(MAX_NG * a.padded);
+    std::vector<float> qf(kMaxHeadsPerPass * a.dim), scores(kMaxHeadsPerPass * a.padded);
     for (int64_t item = begin; item < end; ++item) {
-      attend_group<T, CHUNKS, MAX_NG>(a, item / a.kv_heads, item % a.kv_heads, group, qf.data(),
-                                      scores.data());
+      attend_group<T>(a, item / a.kv_heads, item % a.kv_heads, group, qf.data(), scores.data());
     }
   });
 }
@@ -922,13 +951,7 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
                           block_tables.size(1), k_cache.size(1), block_size, dim,
                           (longest + block_size - 1) / block_size * block_size,
                           static_cast<float>(scale)};
-    if (dim == 64) {
-      decode_attention_impl<T, 4, 4>(a, batch, group);
-    } else if (dim == 128) {
-      decode_attention_impl<T, 8, 2>(a, batch, group);
-    } else {
-      decode_attention_impl<T, 0, 1>(a, batch, group);
-    }
+    decode_attention_impl<T>(a, batch, group);
   });
 }
 
