@@ -55,61 +55,68 @@ inline float rnd(float v) {
   return ld(&t);
 }
 
-// 16 floats as one value (GCC/Clang vector extension): one AVX-512 register here, two or four
-// narrower ones elsewhere. Used where auto-vectorization keeps accumulators in memory, and where
-// the bf16 rounding below has a native instruction that GCC does not emit on its own.
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+// kLanes floats as one value (GCC/Clang vector extension), one register of the CPU's own width:
+// 16 floats with AVX-512, 8 otherwise. Used where auto-vectorization keeps accumulators in
+// memory, and where the bf16 rounding below has a native instruction that GCC does not emit on
+// its own. The width must be the CPU's: GCC lowers 16-float vectors on AVX2 as pieces that go
+// through the stack (measured on a Zen 3: decode attention 1.7 -> 0.55 ms per SmolLM2 layer at
+// 32 sequences, SiLU * up 2.2x slower than eager torch, until the type became 8 floats there).
+#if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint16_t vbits16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t vbits32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
+inline vfloat loadv(const float* p) {
+  vfloat v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 // bf16 bits to floats. GCC splits the generic widening into four instructions; AVX-512 has one.
-inline f32x16 widen(u16x16 h) {
+inline vfloat widen(vbits16 h) {
 #if defined(__AVX512F__)
   const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(h)), 16);
 #else
-  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  const vbits32 w = __builtin_convertvector(h, vbits32) << 16;
 #endif
-  f32x16 v;
+  vfloat v;
   std::memcpy(&v, &w, sizeof v);
   return v;
 }
-inline f32x16 load16(const bf16* p) {
-  u16x16 h;
+inline vfloat loadv(const bf16* p) {
+  vbits16 h;
   std::memcpy(&h, p, sizeof h);
   return widen(h);
 }
-// 16 floats rounded to bf16 bits. With AVX512-BF16 one instruction instead of seven (measured
+// kLanes floats rounded to bf16 bits. With AVX512-BF16 one instruction instead of seven (measured
 // here per 2048-token layer in bf16: SiLU * up 2.5 -> 1.7 ms, residual add + RMSNorm 0.36 ->
 // 0.27 ms), the same round-to-nearest-even as `st` except that it flushes subnormals
 // (|v| < 1.2e-38) to zero and keeps a NaN's sign and payload; elsewhere `st`'s integer rule.
-inline u16x16 to_bf16(f32x16 v) {
+inline vbits16 to_bf16(vfloat v) {
 #if defined(__AVX512BF16__)
-  u16x16 h;
+  vbits16 h;
   const auto packed = _mm512_cvtneps_pbh(reinterpret_cast<__m512>(v));
   std::memcpy(&h, &packed, sizeof h);
   return h;
 #else
-  u32x16 u;
+  vbits32 u;
   std::memcpy(&u, &v, sizeof u);
-  const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const u32x16 nan = u32x16{} + 0x7fc0u;
-  return __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded, u16x16);
+  const vbits32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vbits32 nan = vbits32{} + 0x7fc0u;
+  return __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded, vbits16);
 #endif
 }
-inline void st(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
-inline void st(bf16* p, f32x16 v) {
-  const u16x16 h = to_bf16(v);
+inline void st(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+inline void st(bf16* p, vfloat v) {
+  const vbits16 h = to_bf16(v);
   std::memcpy(p, &h, sizeof h);
 }
 template <typename T>
-inline f32x16 rnd(f32x16 v) {
+inline vfloat rnd(vfloat v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else {
@@ -117,68 +124,35 @@ inline f32x16 rnd(f32x16 v) {
   }
 }
 
-// The CPU's own vector: 16 floats with AVX-512, 8 with AVX2. GCC lowers f32x16 on AVX2 as pieces
-// that go through the stack, which is harmless in a streaming pass but not where vectors live in
-// registers across a loop (measured: decode attention 1.7 ms per SmolLM2 layer at 32 sequences
-// with f32x16 on a Zen 3, 0.55 ms with this type); those loops use fvec.
-#if defined(__AVX512F__)
-typedef float fvec __attribute__((vector_size(64)));
-typedef uint16_t u16vec __attribute__((vector_size(32)));
-typedef uint32_t u32vec __attribute__((vector_size(64)));
-#else
-typedef float fvec __attribute__((vector_size(32)));
-typedef uint16_t u16vec __attribute__((vector_size(16)));
-typedef uint32_t u32vec __attribute__((vector_size(32)));
-#endif
-constexpr int64_t kVecLanes = sizeof(fvec) / sizeof(float);
-
-inline fvec loadv(const float* p) {
-  fvec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline fvec loadv(const bf16* p) {
-  u16vec h;
-  std::memcpy(&h, p, sizeof h);
-  const u32vec w = __builtin_convertvector(h, u32vec) << 16;
-  fvec v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
-template <typename T>
-inline void stv(T* p, fvec v) {
-  for (int64_t l = 0; l < kVecLanes; ++l) st(p + l, v[l]);
-}
-
-// One float or 16 of them from memory, so that one generic loop body (`for_lanes`) serves the
+// One float or kLanes of them from memory, so that one generic loop body (`for_lanes`) serves the
 // vector part of a row and its scalar tail.
 template <typename V, typename T>
 inline V load(const T* p) {
   if constexpr (std::is_same_v<V, float>) {
     return ld(p);
   } else {
-    return load16(p);
+    return loadv(p);
   }
 }
 
-// body(i, lane) over [0, n): 16 elements at a time with `lane` an f32x16, then one at a time with
+// body(i, lane) over [0, n): kLanes elements at a time with `lane` a vfloat, then one at a time with
 // `lane` a float; the body reads its type to pick the loads.
 template <typename Body>
 inline void for_lanes(int64_t n, Body&& body) {
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) body(i, f32x16{});
+  for (; i + kLanes <= n; i += kLanes) body(i, vfloat{});
   for (; i < n; ++i) body(i, 0.f);
 }
 
 inline float clamp(float x, float lo, float hi) { return std::min(std::max(x, lo), hi); }
-inline f32x16 clamp(f32x16 x, float lo, float hi) {
-  x = x < lo ? f32x16{} + lo : x;
-  return x > hi ? f32x16{} + hi : x;
+inline vfloat clamp(vfloat x, float lo, float hi) {
+  x = x < lo ? vfloat{} + lo : x;
+  return x > hi ? vfloat{} + hi : x;
 }
 inline float floor_small(float x) { return std::floor(x); }
 // floor for |x| < 2^31 (exp's range reduction), where truncation to int is exact.
-inline f32x16 floor_small(f32x16 x) {
-  const f32x16 t = __builtin_convertvector(__builtin_convertvector(x, i32x16), f32x16);
+inline vfloat floor_small(vfloat x) {
+  const vfloat t = __builtin_convertvector(__builtin_convertvector(x, vint), vfloat);
   return t > x ? t - 1.f : t;
 }
 inline float exponent_scale(float n) {
@@ -187,9 +161,9 @@ inline float exponent_scale(float n) {
   std::memcpy(&scale, &bits, sizeof scale);
   return scale;
 }
-inline f32x16 exponent_scale(f32x16 n) {
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 scale;
+inline vfloat exponent_scale(vfloat n) {
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  vfloat scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return scale;
 }
@@ -551,10 +525,10 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
-// kVecLanes int8 values as floats. GCC's generic conversion of a narrow int8 vector goes one
+// kLanes int8 values as floats. GCC's generic conversion of a narrow int8 vector goes one
 // element at a time; the sign-extend and convert instructions take two steps for all lanes.
-inline fvec widen_int8(const int8_t* p) {
-  fvec out;
+inline vfloat widen_int8(const int8_t* p) {
+  vfloat out;
 #if defined(__AVX512F__)
   const __m512 v = _mm512_cvtepi32_ps(
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -564,7 +538,7 @@ inline fvec widen_int8(const int8_t* p) {
       _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   std::memcpy(&out, &v, sizeof out);
 #else
-  for (int64_t l = 0; l < kVecLanes; ++l) out[l] = static_cast<float>(p[l]);
+  for (int64_t l = 0; l < kLanes; ++l) out[l] = static_cast<float>(p[l]);
 #endif
   return out;
 }
@@ -588,16 +562,16 @@ void expand_rows(float* dst, const int8_t* q, const float* scales, const float* 
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
-// acc[r][c] += x[r][i, i + kVecLanes) * w[c] for the ROWS rows of x (row stride k). The unroll
+// acc[r][c] += x[r][i, i + kLanes) * w[c] for the ROWS rows of x (row stride k). The unroll
 // pragmas make GCC keep the accumulators in registers; without them it keeps them on the stack
 // (half the speed).
 template <int ROWS>
-__attribute__((always_inline)) inline void multiply_add(fvec (&acc)[ROWS][kWoCols],
-                                                        const fvec (&w)[kWoCols],
+__attribute__((always_inline)) inline void multiply_add(vfloat (&acc)[ROWS][kWoCols],
+                                                        const vfloat (&w)[kWoCols],
                                                         const float* x, int64_t k, int64_t i) {
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
-    fvec xv;
+    vfloat xv;
     std::memcpy(&xv, x + r * k + i, sizeof xv);
 #pragma GCC unroll 8
     for (int64_t c = 0; c < kWoCols; ++c) acc[r][c] += xv * w[c];
@@ -607,11 +581,11 @@ __attribute__((always_inline)) inline void multiply_add(fvec (&acc)[ROWS][kWoCol
 // sums[r][c]: the lanes of acc[r][c] added up.
 template <int ROWS>
 __attribute__((always_inline)) inline void lane_sums(float* sums,
-                                                     const fvec (&acc)[ROWS][kWoCols]) {
+                                                     const vfloat (&acc)[ROWS][kWoCols]) {
   for (int r = 0; r < ROWS; ++r) {
     for (int64_t c = 0; c < kWoCols; ++c) {
       float total = 0.f;
-      for (int64_t l = 0; l < kVecLanes; ++l) total += acc[r][c][l];
+      for (int64_t l = 0; l < kLanes; ++l) total += acc[r][c][l];
       sums[r * kWoCols + c] = total;
     }
   }
@@ -621,11 +595,11 @@ __attribute__((always_inline)) inline void lane_sums(float* sums,
 // across lanes once at the end. sums: [ROWS][kWoCols].
 template <int ROWS>
 void panel_dots(float* sums, const float* x, int64_t k, const float* panel) {
-  fvec acc[ROWS][kWoCols] = {};
-  for (int64_t i = 0; i < k; i += kVecLanes) {
-    fvec w[kWoCols];
+  vfloat acc[ROWS][kWoCols] = {};
+  for (int64_t i = 0; i < k; i += kLanes) {
+    vfloat w[kWoCols];
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < kWoCols; ++c) std::memcpy(&w[c], panel + c * k + i, sizeof(fvec));
+    for (int64_t c = 0; c < kWoCols; ++c) std::memcpy(&w[c], panel + c * k + i, sizeof(vfloat));
     multiply_add<ROWS>(acc, w, x, k, i);
   }
   lane_sums<ROWS>(sums, acc);
@@ -638,15 +612,15 @@ template <int ROWS>
 void direct_dots(float* sums, const float* x, int64_t k, const int8_t* q, const float* scales,
                  const float* zeros, int64_t first, int64_t group) {
   const int64_t groups = k / group;
-  fvec acc[ROWS][kWoCols] = {};
+  vfloat acc[ROWS][kWoCols] = {};
   for (int64_t g = 0; g < groups; ++g) {
     float s[kWoCols], z[kWoCols];
     for (int64_t c = 0; c < kWoCols; ++c) {
       s[c] = scales[(first + c) * groups + g];
       z[c] = zeros != nullptr ? zeros[(first + c) * groups + g] : 0.f;
     }
-    for (int64_t i = g * group; i < (g + 1) * group; i += kVecLanes) {
-      fvec w[kWoCols];
+    for (int64_t i = g * group; i < (g + 1) * group; i += kLanes) {
+      vfloat w[kWoCols];
 #pragma GCC unroll 8
       for (int64_t c = 0; c < kWoCols; ++c) {
         w[c] = (widen_int8(q + (first + c) * k + i) - z[c]) * s[c];
@@ -707,7 +681,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
   check_weight_only(weight, scales, zeros);
   const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
   TORCH_CHECK(weight.size(1) == k, "x and weight disagree on in_features");
-  TORCH_CHECK(k % kVecLanes == 0, "in_features must be a multiple of ", kVecLanes);
+  TORCH_CHECK(k % kLanes == 0, "in_features must be a multiple of ", kLanes);
   const bool has_zeros = zeros.has_value() && zeros->defined();
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || (bias->numel() == n && bias->scalar_type() == x.scalar_type() &&
@@ -734,7 +708,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
         }
       }
     };
-    const bool direct = rows <= kWoRows && group % kVecLanes == 0;
+    const bool direct = rows <= kWoRows && group % kLanes == 0;
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> panel(direct ? 0 : kWoCols * k);
       float sums[kWoRows * kWoCols];
@@ -827,21 +801,21 @@ struct DecodeArgs {
 
 // NG query heads (first_head onwards) of sequence b that share KV head kvh: each K and V vector
 // is loaded once for all of them, and NG independent sums hide the multiply-add latency. Vectors
-// are the CPU's own width (fvec), so the NG sums and the NG output accumulators stay in registers.
+// are the CPU's own width (vfloat), so the NG sums and the NG output accumulators stay in registers.
 template <typename T, int NG>
 void attend(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t first_head, float* qf,
             float* scores) {
   const int64_t dim = a.dim, bs = a.block_size, len = a.lengths[b];
   const int64_t blocks = (len + bs - 1) / bs, v_row = a.kv_heads * dim;
   const int32_t* table = a.tables + b * a.table_width;
-  fvec lane;
-  for (int64_t l = 0; l < kVecLanes; ++l) lane[l] = static_cast<float>(l);
-  const fvec minus_inf = fvec{} - INFINITY;
+  vfloat lane;
+  for (int64_t l = 0; l < kLanes; ++l) lane[l] = static_cast<float>(l);
+  const vfloat minus_inf = vfloat{} - INFINITY;
   for (int g = 0; g < NG; ++g) {
     const T* src = a.q + b * a.q_batch + (first_head + g) * a.q_head;
     for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = ld(src + d) * a.scale;
   }
-  fvec top[NG];
+  vfloat top[NG];
   for (int g = 0; g < NG; ++g) top[g] = minus_inf;
   for (int64_t j = 0; j < blocks; ++j) {
     const T* kt = a.k + (table[j] * a.kv_heads + kvh) * dim * bs;
@@ -850,15 +824,15 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t first_head, 
       const T* vn = a.v + table[j + 1] * bs * v_row + kvh * dim;
       for (int64_t t = 0; t < bs; ++t) prefetch_bytes(vn + t * v_row, dim * sizeof(T));
     }
-    for (int64_t c = 0; c < bs; c += kVecLanes) {
-      fvec s[NG] = {};
+    for (int64_t c = 0; c < bs; c += kLanes) {
+      vfloat s[NG] = {};
       for (int64_t d = 0; d < dim; ++d) {
-        const fvec k = loadv(kt + d * bs + c);
+        const vfloat k = loadv(kt + d * bs + c);
         for (int g = 0; g < NG; ++g) s[g] += qf[g * dim + d] * k;
       }
       const int64_t first = j * bs + c;
       for (int g = 0; g < NG; ++g) {
-        const fvec masked = lane < static_cast<float>(len - first) ? s[g] : minus_inf;
+        const vfloat masked = lane < static_cast<float>(len - first) ? s[g] : minus_inf;
         std::memcpy(scores + g * a.padded + first, &masked, sizeof masked);
         top[g] = top[g] > masked ? top[g] : masked;
       }
@@ -867,7 +841,7 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t first_head, 
   float inv[NG];
   for (int g = 0; g < NG; ++g) {
     float m = top[g][0];
-    for (int64_t l = 1; l < kVecLanes; ++l) m = std::max(m, top[g][l]);
+    for (int64_t l = 1; l < kLanes; ++l) m = std::max(m, top[g][l]);
     float* sg = scores + g * a.padded;
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
@@ -879,18 +853,18 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t first_head, 
   }
   // one vector of output lanes at a time over the whole context: NG accumulators, and every V
   // cache line still read once
-  for (int64_t c = 0; c < dim; c += kVecLanes) {
-    fvec acc[NG] = {};
+  for (int64_t c = 0; c < dim; c += kLanes) {
+    vfloat acc[NG] = {};
     for (int64_t j = 0; j < blocks; ++j) {
       const T* vb = a.v + table[j] * bs * v_row + kvh * dim + c;
       const int64_t first = j * bs, valid = std::min(bs, len - first);
       for (int64_t t = 0; t < valid; ++t) {
-        const fvec v = loadv(vb + t * v_row);
+        const vfloat v = loadv(vb + t * v_row);
         for (int g = 0; g < NG; ++g) acc[g] += scores[g * a.padded + first + t] * v;
       }
     }
     for (int g = 0; g < NG; ++g) {
-      stv(a.out + b * a.out_batch + (first_head + g) * a.out_head + c, acc[g] * inv[g]);
+      st(a.out + b * a.out_batch + (first_head + g) * a.out_head + c, acc[g] * inv[g]);
     }
   }
 }
