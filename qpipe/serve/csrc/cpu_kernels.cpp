@@ -59,7 +59,7 @@ inline float rnd(float v) {
 // 16 floats with AVX-512, 8 otherwise. Used where auto-vectorization keeps accumulators in
 // memory, and where the bf16 rounding below has a native instruction that GCC does not emit on
 // its own. The width must be the CPU's: GCC lowers 16-float vectors on AVX2 as pieces that go
-// through the stack (measured on a Zen 3: decode attention 1.7 -> 0.55 ms per SmolLM2 layer at
+// through the stack (measured on a Zen 3: decode attention 1.7 -> 0.44 ms per SmolLM2 layer at
 // 32 sequences, SiLU * up 2.2x slower than eager torch, until the type became 8 floats there).
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
