@@ -184,15 +184,18 @@ def test_engine_gives_the_same_tokens_with_and_without_kernels(
     assert with_kernels == without
 
 
-@pytest.fixture(params=["onednn", "fp32-onednn", "fp32"])
+@pytest.fixture(params=["onednn", "int8-values", "fp32-onednn", "fp32"])
 def int8_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The CPU forms of a packed W8A8 weight: oneDNN's int8 GEMM (only where it is exact), and
-    the int8 values in fp32 (what a CPU without VNNI gets; forced here on any CPU) on oneDNN's
-    GEMM (non-Intel CPUs) or torch's."""
+    """The CPU forms of a packed W8A8 weight: oneDNN's int8 GEMM (only where it is exact); on a
+    CPU without VNNI (forced here on any CPU) the plain int8 values that the weight-only kernels
+    multiply in fp32, or, without those kernels, the values in fp32 on oneDNN's GEMM (non-Intel
+    CPUs) or torch's."""
     if request.param == "onednn" and not onednn_int8_is_exact():
         pytest.skip("oneDNN's int8 GEMM saturates on this CPU (no VNNI)")
     if request.param != "onednn":
         monkeypatch.setattr(linear, "onednn_int8_is_exact", lambda: False)
+    if request.param.startswith("fp32"):
+        monkeypatch.setattr(linear, "_kernels_multiply_int8", lambda in_features: False)
         on_onednn = request.param == "fp32-onednn"
         monkeypatch.setattr(linear, "_mkl_runs_generic_code", lambda: on_onednn)
     return request.param
@@ -223,16 +226,17 @@ def test_int8_linear_kernels_equal_the_eager_w8a8_path(
     int8_backend: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Quantization is bit-exact (same scale rule and rounding); the product, packed (oneDNN or
-    fp32) or on `_int_mm`, with the kernel epilogue equals the exact int32 rule up to the final
-    rounding to the model dtype. Activations with an outlier channel, as SmolLM2 has, quantize
-    to small values; full-range ones reach the corner where a GEMM without VNNI saturates."""
+    """Quantization is bit-exact (same scale rule and rounding); the product, packed (oneDNN, int8
+    values or fp32) or on `_int_mm`, with the kernel epilogue equals the exact int32 rule up to
+    the final rounding to the model dtype. Activations with an outlier channel, as SmolLM2 has,
+    quantize to small values; full-range ones reach the corner where a GEMM without VNNI
+    saturates. 40 rows go past the 32 up to which the int8 values are read in place."""
     gen = torch.Generator().manual_seed(4)
     if activations == "outlier":
-        x = torch.randn(19, 576, generator=gen)
+        x = torch.randn(40, 576, generator=gen)
         x[:, 7] *= 300.0
     else:
-        x = torch.rand(19, 576, generator=gen) + 0.5
+        x = torch.rand(40, 576, generator=gen) + 0.5
     x = x.to(dtype)
     weight = torch.randint(-127, 128, (192, 576), generator=gen, dtype=torch.int8)
     weight[:, :64] = 127
@@ -242,11 +246,12 @@ def test_int8_linear_kernels_equal_the_eager_w8a8_path(
     if packed:
         assert pack_linear_weights(torch.nn.Sequential(layer), batch_hint=32) == 1
         assert layer.weight is None
-        assert layer.packed.dtype == (torch.int8 if int8_backend == "onednn" else torch.float32)
-        assert layer.packed.is_mkldnn == (int8_backend != "fp32")
+        int8 = int8_backend in ("onednn", "int8-values")
+        assert layer.packed.dtype == (torch.int8 if int8 else torch.float32)
+        assert layer.packed.is_mkldnn == (int8_backend in ("onednn", "fp32-onednn"))
 
     q = torch.empty(x.shape, dtype=torch.int8)
-    scale = torch.empty(19)
+    scale = torch.empty(40)
     cpu_kernels.ops.quantize_per_token_int8(q, scale, x)
     expected_q, expected_scale = quantize_per_token_int8(x.float())
     assert torch.equal(q, expected_q)
@@ -255,7 +260,8 @@ def test_int8_linear_kernels_equal_the_eager_w8a8_path(
     eager = (torch._int_mm(q, weight.t()).float() * layer.weight_scale) * expected_scale
     if bias is not None:
         eager += bias
-    close(layer(x), eager.to(dtype), dtype)
+    for rows in (19, 40):
+        close(layer(x[:rows]), eager[:rows].to(dtype), dtype)
     monkeypatch.setattr(cpu_kernels, "load", lambda: False)
     close(layer(x), eager.to(dtype), dtype)
 
@@ -268,7 +274,7 @@ def test_weight_only_kernels_equal_the_exact_product(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """int4/int8 weight-only layers: the kernels (weight expanded in registers for a few rows, in
-    an L1 panel for more, all at once above FUSED_MAX_ROWS) and the eager expansion both equal
+    an L1 panel for more, all at once above 32 rows) and the eager expansion both equal
     the product in fp64, for row counts that reach each path and its tails, 130 output features
     (not a whole number of 4-row tiles), and an in_features the kernels don't take (200: eager)."""
     gen = torch.Generator().manual_seed(5)
@@ -283,7 +289,7 @@ def test_weight_only_kernels_equal_the_exact_product(
     if zero is not None:
         grouped = grouped - zero.double().unsqueeze(-1)
     exact_weight = (grouped * scale.double().unsqueeze(-1)).view(out_features, in_features)
-    for rows in (1, 2, 3, 4, 5, 32, WeightOnlyLinear.FUSED_MAX_ROWS + 1, 100):
+    for rows in (1, 2, 3, 4, 5, 32, 33, 100):  # 33: past the kernels' in-place limit
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
         exact = F.linear(x.double(), exact_weight, bias.double())
         # a GEMM's rounding error scales with its outputs' magnitude, not each element's
@@ -309,11 +315,13 @@ def test_weight_only_kernel_rejects_what_it_cannot_read() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("hidden", "intermediate"), [(128, 192), (120, 200)])
+@pytest.mark.parametrize("rows", [5, 37])
 def test_fused_int8_gated_mlp_equals_the_layer_by_layer_path(
-    dtype: torch.dtype, hidden: int, intermediate: int, int8_backend: str
+    dtype: torch.dtype, hidden: int, intermediate: int, rows: int, int8_backend: str
 ) -> None:
     """The one-call W8A8 MLP keeps the activation in int8 between the projections; it must give
-    the bits of gate_up -> silu_and_mul -> down, each a separate kernel call."""
+    the bits of gate_up -> silu_and_mul -> down, each a separate kernel call (at decode and
+    prefill row counts: the int8 values are read in place up to 32 rows)."""
     gen = torch.Generator().manual_seed(7)
 
     def layer(out_features: int, in_features: int) -> Int8Linear:
@@ -324,13 +332,13 @@ def test_fused_int8_gated_mlp_equals_the_layer_by_layer_path(
 
     gate_up, down = layer(2 * intermediate, hidden), layer(hidden, intermediate)
     assert pack_linear_weights(torch.nn.Sequential(gate_up, down), batch_hint=32) == 2
-    x = (torch.randn(37, hidden, generator=gen) * 3).to(dtype)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
     x[:, 5] *= 100.0  # an outlier channel
     with torch.profiler.profile() as profile:
         fused = gated_mlp(gate_up, down, x)
     assert "qpipe_cpu::int8_gated_mlp" in {event.name for event in profile.events()}
     unfused = down(silu_and_mul(gate_up(x)))
-    assert fused.dtype == dtype and fused.shape == (37, hidden)
+    assert fused.dtype == dtype and fused.shape == (rows, hidden)
     assert torch.equal(fused, unfused)
     assert fused.abs().max() > 0
 

@@ -404,12 +404,24 @@ void scale_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& row_scal
   });
 }
 
-// (q @ w.T) * weight_scale in fp32: oneDNN's int8 GEMM on a packed int8 weight, or, on a CPU
-// without VNNI where that GEMM saturates (Int8Linear.pack_for_cpu), an fp32 GEMM over the int8
-// values, oneDNN's on a packed weight or torch's on a plain one (exact either way: the sums are
-// integers below 2^24).
+at::Tensor weight_only_product(const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                               const c10::optional<at::Tensor>& bias);
+
+// (q @ w.T) * weight_scale in fp32: oneDNN's int8 GEMM on a packed int8 weight. On a CPU without
+// VNNI, where that GEMM saturates (Int8Linear.pack_for_cpu), the products are taken in fp32 over
+// the int8 values instead: the plain int8 weight read by the weight-only kernels with unit scales
+// (one byte per weight, no fp32 copy), or, where the layer was packed without these kernels, an
+// fp32 copy of the values, oneDNN's GEMM on a packed one or torch's on a plain one. Exact in every
+// form: the sums are integers below 2^24.
 at::Tensor int8_product(const at::Tensor& q, const at::Tensor& packed_weight,
                         const at::Tensor& weight_scale, const at::Tensor& zero_points) {
+  if (packed_weight.scalar_type() == at::kChar && !packed_weight.is_mkldnn()) {
+    const at::Tensor values = q.to(at::kFloat);
+    const at::Tensor unit = at::ones({packed_weight.size(0), 1}, values.options());
+    return weight_only_product(values, packed_weight, unit, c10::nullopt, c10::nullopt)
+        .mul_(weight_scale);
+  }
   if (packed_weight.scalar_type() == at::kFloat) {
     static const c10::OperatorHandle linear =
         c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -739,6 +751,18 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
+// Inputs of more rows than this (prefill) take weight_only_expand and one GEMM; measured on a
+// Zen 3, the GEMM on the expanded weight wins from ~48 rows.
+constexpr int64_t kWoFusedMaxRows = 32;
+
+// x @ dequant(w).T + bias by whichever of the two forms above suits x's row count.
+at::Tensor weight_only_product(const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                               const c10::optional<at::Tensor>& bias) {
+  if (x.size(0) <= kWoFusedMaxRows) return weight_only_linear(x, weight, scales, zeros, bias);
+  return at::linear(x, weight_only_expand(weight, scales, zeros).to(x.scalar_type()), bias);
+}
+
 // Writes the new tokens' K and V into their cache slots: K into the token-minor K block layout
 // ([blocks, kv_heads, head_dim, block_size], one strided store per element), V row by row. One
 // call per layer instead of an index_put_ and an index_copy_.
@@ -949,6 +973,8 @@ TORCH_LIBRARY(qpipe_cpu, m) {
   m.def("weight_only_linear(Tensor x, Tensor weight, Tensor scales, Tensor? zeros, "
         "Tensor? bias) -> Tensor");
   m.def("weight_only_expand(Tensor weight, Tensor scales, Tensor? zeros) -> Tensor");
+  m.def("weight_only_product(Tensor x, Tensor weight, Tensor scales, Tensor? zeros, "
+        "Tensor? bias) -> Tensor");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
         "Tensor slot_mapping) -> ()");
   m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
@@ -963,6 +989,7 @@ TORCH_LIBRARY_IMPL(qpipe_cpu, CPU, m) {
   m.impl("quantize_per_token_int8", quantize_per_token_int8);
   m.impl("weight_only_linear", weight_only_linear);
   m.impl("weight_only_expand", weight_only_expand);
+  m.impl("weight_only_product", weight_only_product);
   m.impl("write_kv", write_kv);
   m.impl("decode_attention", decode_attention);
 }

@@ -141,9 +141,15 @@ def onednn_int8_is_exact() -> bool:
     if not exact:
         log.warning(
             "oneDNN's int8 GEMM saturates on this CPU (no VNNI): W8A8 layers multiply their int8 "
-            "values in fp32 instead (the same results, at fp32 speed and 4 bytes per weight)"
+            "values in fp32 instead (the same results, at fp32 compute speed)"
         )
     return exact
+
+
+def _kernels_multiply_int8(in_features: int) -> bool:
+    """Whether the CPU kernels take a plain int8 weight this wide and multiply its values in fp32
+    themselves (they work in whole vectors along in_features)."""
+    return in_features % 16 == 0 and cpu_kernels.load()
 
 
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,9 +164,11 @@ class Int8Linear(LinearBase):
     """W8A8 int8: per-output-channel weight scales, activations quantized per token at run time.
     On CPU the product runs on oneDNN's int8 GEMM with the weight packed once (AMX/VNNI; measured
     2-4x `torch._int_mm` at 2048 rows, up to 1.7x at 32); on a CPU without VNNI, where that GEMM
-    saturates and `_int_mm` is ~10x slower than fp32, on an fp32 GEMM over the int8 values
-    (products and sums of integers are exact in fp32 below 2^24, far above what per-token
-    quantized activations reach); on GPU on `torch._int_mm`. All compute
+    saturates and `_int_mm` is ~10x slower than fp32, in fp32 over the int8 values (products and
+    sums of integers are exact in fp32 below 2^24, far above what per-token quantized activations
+    reach): the weight-only kernels read the weight as it is, one byte per value, with unit
+    scales, so decode reads a quarter of an fp32 copy's bytes (or, without those kernels, an
+    fp32 copy on an fp32 GEMM); on GPU on `torch._int_mm`. All compute
     (acc * weight_scale) * token_scale in fp32, rounded once to the model dtype."""
 
     kind = "int8_w8a8"
@@ -178,6 +186,8 @@ class Int8Linear(LinearBase):
             self.packed = torch.ops.onednn.qlinear_prepack(
                 self.weight, [batch_hint, self.weight.shape[1]]
             )
+        elif _kernels_multiply_int8(self.weight.shape[1]):
+            self.packed = self.weight
         else:
             values = self.weight.float()
             packed = _packed_for_onednn(values, batch_hint)
@@ -201,22 +211,25 @@ class Int8Linear(LinearBase):
         return y.to(x.dtype).reshape(*shape, -1)
 
     def cpu_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What the packed layer hands the CPU kernels' int8 product: weight (oneDNN-packed, or
-        the int8 values in fp32), per-channel scales, zero points."""
+        """What the packed layer hands the CPU kernels' int8 product: weight (oneDNN-packed int8,
+        the plain int8 values, or those values in fp32), per-channel scales, zero points."""
         return self.packed, self.weight_scale.view(-1), self.weight_zero_points
 
     def _scaled_product(self, q: torch.Tensor) -> torch.Tensor:
         """(q @ weight.T) * weight_scale in fp32: the int32 accumulator never leaves the GEMM."""
-        if self.packed is not None and self.packed.dtype is torch.int8:
+        packed = self.packed
+        if packed is not None and packed.is_mkldnn and packed.dtype is torch.int8:
             return _onednn_int8_product(q, *self.cpu_operands())
-        if self.packed is not None:  # the int8 values in fp32
-            return _dense_product(q.float(), self.packed, None).mul_(self.weight_scale)
+        if packed is not None and packed.dtype is not torch.int8:  # the int8 values in fp32
+            return _dense_product(q.float(), packed, None).mul_(self.weight_scale)
+        weight = self.weight if packed is None else packed
         rows = q.shape[0]
         if q.is_cuda and rows <= 16:  # cuBLAS int8 GEMM needs M > 16
             q = F.pad(q, (0, 0, 0, 17 - rows))
-        # GPU, or an unpacked CPU layer. NOTE: `_int_mm` gets the [in, out] operand as a transposed
-        # view of the row-major [out, in] weight: ~1.5x faster on this CPU than a contiguous copy.
-        return torch._int_mm(q, self.weight.t())[:rows].float().mul_(self.weight_scale)
+        # GPU, or a CPU layer not packed for oneDNN. NOTE: `_int_mm` gets the [in, out] operand as
+        # a transposed view of the row-major [out, in] weight: ~1.5x faster on this CPU than a
+        # contiguous copy.
+        return torch._int_mm(q, weight.t())[:rows].float().mul_(self.weight_scale)
 
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -280,14 +293,12 @@ class Fp8Linear(LinearBase):
 
 class WeightOnlyLinear(LinearBase):
     """int4/int8 weights with per-group scales (and zero points when asymmetric), 16/32-bit
-    activations. Values are kept unpacked, one per byte. On CPU, for inputs of up to
-    `FUSED_MAX_ROWS` rows (decode), the kernels expand the weight a few output rows at a time
-    inside the product, so it is read at one byte per value and never written out in fp32
-    (measured on a Zen 3, SmolLM2 W4A16: 166 -> 40 ms per token at concurrency 1); larger inputs
-    (prefill) expand it once per call in one parallel pass and run one GEMM. Elsewhere (GPU, or
-    without the kernels) the weight is expanded in torch on each call."""
-
-    FUSED_MAX_ROWS: ClassVar[int] = 32  # measured on Zen 3: expand + GEMM wins from ~48 rows
+    activations. Values are kept unpacked, one per byte. On CPU, for inputs of up to 32 rows
+    (decode), the kernels expand the weight a few output rows at a time inside the product, so it
+    is read at one byte per value and never written out in fp32 (measured on a Zen 3, SmolLM2
+    W4A16: 166 -> 40 ms per token at concurrency 1); larger inputs (prefill) expand it once per
+    call in one parallel pass and run one GEMM. Elsewhere (GPU, or without the kernels) the
+    weight is expanded in torch on each call."""
 
     kind = "weight_only"
     optional_buffers = ("bias", "weight_zero_point")
@@ -319,12 +330,10 @@ class WeightOnlyLinear(LinearBase):
         x2 = x.reshape(-1, x.shape[-1])
         if not (cpu_kernels.usable(x2) and x2.stride(-1) == 1 and x2.shape[1] % 16 == 0):
             return F.linear(x, self.dequantized(x.dtype), self.bias)
-        quantized = (self.weight, self.weight_scale, self.weight_zero_point)
-        if x2.shape[0] <= self.FUSED_MAX_ROWS:
-            y = cpu_kernels.ops.weight_only_linear(x2, *quantized, self.bias)
-            return y.reshape(*x.shape[:-1], -1)
-        expanded = cpu_kernels.ops.weight_only_expand(*quantized)
-        return F.linear(x, expanded.to(x.dtype), self.bias)
+        y = cpu_kernels.ops.weight_only_product(
+            x2, self.weight, self.weight_scale, self.weight_zero_point, self.bias
+        )
+        return y.reshape(*x.shape[:-1], -1)
 
 
 LINEAR_KINDS: dict[str, type[LinearBase]] = {
