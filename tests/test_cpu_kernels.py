@@ -195,7 +195,7 @@ def int8_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     if request.param != "onednn":
         monkeypatch.setattr(linear, "onednn_int8_is_exact", lambda: False)
     if request.param.startswith("fp32"):
-        monkeypatch.setattr(linear, "_kernels_multiply_int8", lambda in_features: False)
+        monkeypatch.setattr(linear, "_kernels_multiply_int8", lambda: False)
         on_onednn = request.param == "fp32-onednn"
         monkeypatch.setattr(linear, "_mkl_runs_generic_code", lambda: on_onednn)
     return request.param
@@ -273,10 +273,11 @@ def test_weight_only_kernels_equal_the_exact_product(
     dtype: torch.dtype, zero_points: bool, in_features: int, group: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    """int4/int8 weight-only layers: the kernels (weight expanded in registers for a few rows, in
-    an L1 panel for more, all at once above 32 rows) and the eager expansion both equal
-    the product in fp64, for row counts that reach each path and its tails, 130 output features
-    (not a whole number of 4-row tiles), and an in_features the kernels don't take (200: eager)."""
+    """int4/int8 weight-only layers: the kernels (one tile of the packed weight expanded into a
+    panel at a time, every block of input rows against it; all at once above 32 rows) and the
+    eager expansion, before packing and back out of the tiles, all equal the product in fp64, for
+    row counts that reach each path and the tails of the row blocks, 130 output features (not a
+    whole number of tiles), and an in_features that is no multiple of a vector (200)."""
     gen = torch.Generator().manual_seed(5)
     out_features = 130
     groups = in_features // group
@@ -289,28 +290,44 @@ def test_weight_only_kernels_equal_the_exact_product(
     if zero is not None:
         grouped = grouped - zero.double().unsqueeze(-1)
     exact_weight = (grouped * scale.double().unsqueeze(-1)).view(out_features, in_features)
-    for rows in (1, 2, 3, 4, 5, 32, 33, 100):  # 33: past the kernels' in-place limit
-        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+
+    def check(x: torch.Tensor) -> None:
         exact = F.linear(x.double(), exact_weight, bias.double())
         # a GEMM's rounding error scales with its outputs' magnitude, not each element's
         atol = {torch.float32: 1e-6, torch.bfloat16: 1.6e-2}[dtype] * exact.abs().max().item()
         torch.testing.assert_close(layer(x).double(), exact, atol=atol, rtol=0)
-        with monkeypatch.context() as eager:
+
+    for rows in (1, 5, 33):  # the eager path of an unpacked layer (GPU)
+        check(torch.randn(rows, in_features, generator=gen).to(dtype))
+    assert pack_linear_weights(torch.nn.Sequential(layer), batch_hint=32) == 1
+    assert layer.weight is None and layer.packed.shape == (9, in_features, cpu_kernels.TILE)
+    # 1-12: every tail of a block of rows; 32: the last in place; 33, 100: expanded at once
+    for rows in (*range(1, 13), 32, 33, 100):
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        check(x)
+        with monkeypatch.context() as eager:  # no kernels: eager, from the tiles
             eager.setattr(cpu_kernels, "load", lambda: False)
-            torch.testing.assert_close(layer(x).double(), exact, atol=atol, rtol=0)
+            check(x)
     x3 = torch.randn(2, 3, in_features, generator=gen).to(dtype)  # leading dims are kept
     assert layer(x3).shape == (2, 3, out_features)
 
 
 def test_weight_only_kernel_rejects_what_it_cannot_read() -> None:
-    weight = torch.zeros(8, 64, dtype=torch.int8)
-    with pytest.raises(RuntimeError, match="multiple of"):
-        cpu_kernels.ops.weight_only_linear(torch.zeros(1, 60), weight[:, :60].contiguous(),
-                                           torch.ones(8, 1), None, None)  # fmt: skip
+    weight = cpu_kernels.tiled(torch.zeros(20, 64, dtype=torch.int8))
+    scales = cpu_kernels.tiled(torch.ones(20, 2))
+    x = torch.zeros(1, 64)
+    with pytest.raises(RuntimeError, match="weight must be contiguous int8 tiles"):
+        cpu_kernels.ops.weight_only_linear(x, torch.zeros(20, 64, dtype=torch.int8), scales,
+                                           None, None, 20)  # fmt: skip
+    with pytest.raises(RuntimeError, match="out_features 33 does not fit 2 tiles"):
+        cpu_kernels.ops.weight_only_linear(x, weight, scales, None, None, 33)
     with pytest.raises(RuntimeError, match="scales must be"):
-        cpu_kernels.ops.weight_only_linear(torch.zeros(1, 64), weight, torch.ones(8, 3), None, None)
+        cpu_kernels.ops.weight_only_linear(x, weight, cpu_kernels.tiled(torch.ones(20, 3)),
+                                           None, None, 20)  # fmt: skip
     with pytest.raises(RuntimeError, match="zero points must be"):
-        cpu_kernels.ops.weight_only_expand(weight, torch.ones(8, 2), torch.ones(8, 1))
+        cpu_kernels.ops.weight_only_expand(weight, scales, cpu_kernels.tiled(torch.ones(20, 1)), 20)
+    with pytest.raises(RuntimeError, match="disagree on in_features"):
+        cpu_kernels.ops.weight_only_linear(torch.zeros(1, 32), weight, scales, None, None, 20)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

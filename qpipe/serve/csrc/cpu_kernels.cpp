@@ -406,20 +406,22 @@ void scale_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& row_scal
 
 at::Tensor weight_only_product(const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
-                               const c10::optional<at::Tensor>& bias);
+                               const c10::optional<at::Tensor>& bias, int64_t out_features);
 
 // (q @ w.T) * weight_scale in fp32: oneDNN's int8 GEMM on a packed int8 weight. On a CPU without
 // VNNI, where that GEMM saturates (Int8Linear.pack_for_cpu), the products are taken in fp32 over
-// the int8 values instead: the plain int8 weight read by the weight-only kernels with unit scales
-// (one byte per weight, no fp32 copy), or, where the layer was packed without these kernels, an
+// the int8 values instead: the int8 weight in the weight-only kernels' tiles, read with unit
+// scales (one byte per weight, no fp32 copy), or, where the layer was packed without them, an
 // fp32 copy of the values, oneDNN's GEMM on a packed one or torch's on a plain one. Exact in every
 // form: the sums are integers below 2^24.
 at::Tensor int8_product(const at::Tensor& q, const at::Tensor& packed_weight,
                         const at::Tensor& weight_scale, const at::Tensor& zero_points) {
   if (packed_weight.scalar_type() == at::kChar && !packed_weight.is_mkldnn()) {
     const at::Tensor values = q.to(at::kFloat);
-    const at::Tensor unit = at::ones({packed_weight.size(0), 1}, values.options());
-    return weight_only_product(values, packed_weight, unit, c10::nullopt, c10::nullopt)
+    const at::Tensor unit = at::ones({packed_weight.size(0), 1, packed_weight.size(2)},
+                                     values.options());
+    return weight_only_product(values, packed_weight, unit, c10::nullopt, c10::nullopt,
+                               weight_scale.numel())
         .mul_(weight_scale);
   }
   if (packed_weight.scalar_type() == at::kFloat) {
@@ -517,20 +519,23 @@ at::Tensor int8_gated_mlp(const at::Tensor& x, const at::Tensor& gate_up_weight,
 }
 
 // Weight-only quantized linear (int4 or int8 values kept one per byte, per-group fp32 scales and
-// optional zero points; AWQ, GPTQ and qpipe's int4-wo/int8-wo outputs): out = x @ dequant(w).T.
-// The eager path expands the whole weight to the model dtype on every call, which at decode sizes
-// costs more than the GEMM (4-byte weights written, then read again): measured on a Zen 3 with
-// SmolLM2 W4A16, 166 ms per token at concurrency 1. Here the threads split the output features in
-// tiles of kWoCols and read the weight once, at one byte per value: for up to kWoRows input rows
-// each weight vector is expanded in registers and used at once (direct_dots); for more, a tile is
-// expanded into an L1-sized panel that every row then runs against (panel_dots). Inputs of many
-// rows (prefill) take weight_only_expand and one GEMM instead (WeightOnlyLinear decides).
-#if defined(__AVX512F__)
-constexpr int kWoRows = 4;  // 16 accumulators and 4 input vectors of 32 registers
-#else
-constexpr int kWoRows = 3;  // 12 accumulators and 3 input vectors of 16 registers
-#endif
-constexpr int64_t kWoCols = 4;
+// optional zero points; AWQ, GPTQ and qpipe's int4-wo/int8-wo outputs, and W8A8 on CPUs without
+// VNNI): out = x @ dequant(w).T. The eager path expands the whole weight to the model dtype on
+// every call, which at decode sizes costs more than the GEMM (4-byte weights written, then read
+// again): measured on a Zen 3 with SmolLM2 W4A16, 166 ms per token at concurrency 1.
+//
+// Here the weight is laid out once at load in tiles of kTile output features, k-major inside a
+// tile ([tiles, in_features, kTile], the layer's `pack_for_cpu`), and read once per call at one
+// byte per value. The threads split the tiles; each tile is expanded into an fp32 panel
+// (in_features x kTile: L1/L2-sized), and every block of input rows runs an outer-product
+// micro-kernel against it: one input value broadcast times kTile weights per multiply-add, with
+// the block's accumulators in registers and no sums across lanes. Measured on a Zen 3 against the
+// earlier dot-product form on the plain layout: 32 rows x 576 -> 3072, 66 -> ~130 GFLOP/s
+// (oneDNN's fp32 GEMM on a packed weight: ~100). Inputs of many rows (prefill) take
+// weight_only_expand and one GEMM instead (weight_only_product decides).
+constexpr int64_t kTile = 16;  // output features per tile: 2 AVX2 vectors, 1 AVX-512 vector
+constexpr int64_t kTileVecs = kTile / kLanes;
+constexpr int kBlockRows = 12 / kTileVecs;  // 12 accumulators: 6 rows on AVX2, 12 on AVX-512
 
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -555,151 +560,153 @@ inline vfloat widen_int8(const int8_t* p) {
   return out;
 }
 
-// Rows [first, first + count) of the weight as (q - zero) * scale in fp32, the eager path's
-// expansion value for value.
-void expand_rows(float* dst, const int8_t* q, const float* scales, const float* zeros,
-                 int64_t first, int64_t count, int64_t k, int64_t group) {
-  const int64_t groups = k / group;
-  for (int64_t row = first; row < first + count; ++row) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const float s = scales[row * groups + g];
-      const float z = zeros != nullptr ? zeros[row * groups + g] : 0.f;
-      const int8_t* qg = q + row * k + g * group;
-      float* dg = dst + (row - first) * k + g * group;
-#pragma omp simd
-      for (int64_t j = 0; j < group; ++j) dg[j] = (static_cast<float>(qg[j]) - z) * s;
+// One tile's weight as (q - zero) * scale in fp32, the eager path's expansion value for value,
+// written as rows of kTile values (row i at dst + i * stride).
+void expand_tile(float* dst, int64_t stride, const int8_t* q, const float* scales,
+                 const float* zeros, int64_t k, int64_t group) {
+  for (int64_t g = 0; g < k / group; ++g) {
+    for (int64_t v = 0; v < kTileVecs; ++v) {
+      const vfloat s = loadv(scales + g * kTile + v * kLanes);
+      const vfloat z = zeros != nullptr ? loadv(zeros + g * kTile + v * kLanes) : vfloat{};
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+        st(dst + i * stride + v * kLanes, (widen_int8(q + i * kTile + v * kLanes) - z) * s);
+      }
     }
   }
 }
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
-// acc[r][c] += x[r][i, i + kLanes) * w[c] for the ROWS rows of x (row stride k). The unroll
-// pragmas make GCC keep the accumulators in registers; without them it keeps them on the stack
-// (half the speed).
+// acc[r] += x[r][i] * w for ROWS input rows (row stride k): one step of the micro-kernels. The
+// unroll pragma keeps the accumulators in registers.
 template <int ROWS>
-__attribute__((always_inline)) inline void multiply_add(vfloat (&acc)[ROWS][kWoCols],
-                                                        const vfloat (&w)[kWoCols],
-                                                        const float* x, int64_t k, int64_t i) {
-#pragma GCC unroll 8
+__attribute__((always_inline)) inline void outer_product_step(vfloat (&acc)[ROWS][kTileVecs],
+                                                              const vfloat (&w)[kTileVecs],
+                                                              const float* x, int64_t k,
+                                                              int64_t i) {
+#pragma GCC unroll 12
   for (int r = 0; r < ROWS; ++r) {
-    vfloat xv;
-    std::memcpy(&xv, x + r * k + i, sizeof xv);
-#pragma GCC unroll 8
-    for (int64_t c = 0; c < kWoCols; ++c) acc[r][c] += xv * w[c];
+    const float xv = x[r * k + i];
+    for (int64_t v = 0; v < kTileVecs; ++v) acc[r][v] += xv * w[v];
   }
 }
 
-// sums[r][c]: the lanes of acc[r][c] added up.
 template <int ROWS>
-__attribute__((always_inline)) inline void lane_sums(float* sums,
-                                                     const vfloat (&acc)[ROWS][kWoCols]) {
+__attribute__((always_inline)) inline void store_sums(float* sums,
+                                                      const vfloat (&acc)[ROWS][kTileVecs]) {
   for (int r = 0; r < ROWS; ++r) {
-    for (int64_t c = 0; c < kWoCols; ++c) {
-      float total = 0.f;
-      for (int64_t l = 0; l < kLanes; ++l) total += acc[r][c][l];
-      sums[r * kWoCols + c] = total;
-    }
+    for (int64_t v = 0; v < kTileVecs; ++v) st(sums + r * kTile + v * kLanes, acc[r][v]);
   }
 }
 
-// ROWS input rows against the kWoCols panel rows: dot products along k in vector lanes, summed
-// across lanes once at the end. sums: [ROWS][kWoCols].
+// sums[r][c] = x[r] . panel[:, c] for ROWS input rows (row stride k) and the kTile panel columns.
 template <int ROWS>
-void panel_dots(float* sums, const float* x, int64_t k, const float* panel) {
-  vfloat acc[ROWS][kWoCols] = {};
-  for (int64_t i = 0; i < k; i += kLanes) {
-    vfloat w[kWoCols];
-#pragma GCC unroll 8
-    for (int64_t c = 0; c < kWoCols; ++c) std::memcpy(&w[c], panel + c * k + i, sizeof(vfloat));
-    multiply_add<ROWS>(acc, w, x, k, i);
+void panel_block(float* sums, const float* x, int64_t k, const float* panel) {
+  vfloat acc[ROWS][kTileVecs] = {};
+  for (int64_t i = 0; i < k; ++i) {
+    vfloat w[kTileVecs];
+    for (int64_t v = 0; v < kTileVecs; ++v) w[v] = loadv(panel + i * kTile + v * kLanes);
+    outer_product_step<ROWS>(acc, w, x, k, i);
   }
-  lane_sums<ROWS>(sums, acc);
+  store_sums<ROWS>(sums, acc);
 }
 
-// For inputs of at most kWoRows rows, where storing a panel and reading it back would cost more
-// than the products: each weight vector of rows [first, first + kWoCols) is expanded in registers
-// ((q - zero) * scale, as expand_rows does) and used at once.
+// panel_block for a block of up to kDirectRows rows of an input of at most kDirectMaxRows, where
+// writing a panel and reading it back costs more than expanding the tile again for each block:
+// each weight vector is expanded in registers, as expand_tile does, and used at once. Measured on
+// a Zen 3 (576 -> 3072, weight in cache): 4 rows 0.16 ms here, 0.31 ms through a panel; at 16
+// rows the two forms are even.
 template <int ROWS>
-void direct_dots(float* sums, const float* x, int64_t k, const int8_t* q, const float* scales,
-                 const float* zeros, int64_t first, int64_t group) {
-  const int64_t groups = k / group;
-  vfloat acc[ROWS][kWoCols] = {};
-  for (int64_t g = 0; g < groups; ++g) {
-    float s[kWoCols], z[kWoCols];
-    for (int64_t c = 0; c < kWoCols; ++c) {
-      s[c] = scales[(first + c) * groups + g];
-      z[c] = zeros != nullptr ? zeros[(first + c) * groups + g] : 0.f;
+void direct_block(float* sums, const float* x, int64_t k, const int8_t* q, const float* scales,
+                  const float* zeros, int64_t group) {
+  vfloat acc[ROWS][kTileVecs] = {};
+  for (int64_t g = 0; g < k / group; ++g) {
+    vfloat s[kTileVecs], z[kTileVecs];
+    for (int64_t v = 0; v < kTileVecs; ++v) {
+      s[v] = loadv(scales + g * kTile + v * kLanes);
+      z[v] = zeros != nullptr ? loadv(zeros + g * kTile + v * kLanes) : vfloat{};
     }
-    for (int64_t i = g * group; i < (g + 1) * group; i += kLanes) {
-      vfloat w[kWoCols];
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < kWoCols; ++c) {
-        w[c] = (widen_int8(q + (first + c) * k + i) - z[c]) * s[c];
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+      vfloat w[kTileVecs];
+      for (int64_t v = 0; v < kTileVecs; ++v) {
+        w[v] = (widen_int8(q + i * kTile + v * kLanes) - z[v]) * s[v];
       }
-      multiply_add<ROWS>(acc, w, x, k, i);
+      outer_product_step<ROWS>(acc, w, x, k, i);
     }
   }
-  lane_sums<ROWS>(sums, acc);
+  store_sums<ROWS>(sums, acc);
 }
 #pragma GCC pop_options
 
-// body(std::integral_constant<int, count>) for 1 <= count <= kWoRows: the kernels' row counts as
-// compile-time constants, so their accumulators are registers.
-template <typename Body>
-void with_rows(int64_t count, Body&& body) {
-  switch (count) {
-    case 1: body(std::integral_constant<int, 1>{}); break;
-    case 2: body(std::integral_constant<int, 2>{}); break;
-    case 3: body(std::integral_constant<int, 3>{}); break;
-    default:
-      if constexpr (kWoRows >= 4) body(std::integral_constant<int, 4>{});
+constexpr int kDirectRows = 4;  // 8 accumulators with the weight, scale and zero vectors
+constexpr int64_t kDirectMaxRows = 16;
+
+// body(std::integral_constant<int, count>) for 1 <= count <= ROWS: a block's row count as a
+// compile-time constant, so that its accumulators are registers.
+template <int ROWS, typename Body>
+void with_block_rows(int64_t count, Body&& body) {
+  if constexpr (ROWS > 0) {
+    if (count == ROWS) {
+      body(std::integral_constant<int, ROWS>{});
+    } else {
+      with_block_rows<ROWS - 1>(count, body);
+    }
   }
 }
 
 void check_weight_only(const at::Tensor& weight, const at::Tensor& scales,
-                       const c10::optional<at::Tensor>& zeros) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
-              "weight must be contiguous int8 [out, in]");
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == weight.size(0) &&
+                       const c10::optional<at::Tensor>& zeros, int64_t out_features) {
+  TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kTile && weight.scalar_type() == at::kChar &&
+                  weight.is_contiguous(),
+              "weight must be contiguous int8 tiles [tiles, in_features, ", kTile, "]");
+  TORCH_CHECK(out_features > 0 && out_features <= weight.size(0) * kTile &&
+                  out_features > (weight.size(0) - 1) * kTile,
+              "out_features ", out_features, " does not fit ", weight.size(0), " tiles");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == weight.size(0) && scales.size(2) == kTile &&
                   scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  weight.size(1) % scales.size(1) == 0,
-              "scales must be contiguous float32 [out, groups] with groups dividing in_features");
+                  scales.size(1) > 0 && weight.size(1) % scales.size(1) == 0,
+              "scales must be contiguous float32 tiles [tiles, groups, ", kTile,
+              "] with groups dividing in_features");
   TORCH_CHECK(!zeros.has_value() || !zeros->defined() ||
                   (zeros->sizes() == scales.sizes() && zeros->scalar_type() == at::kFloat &&
                    zeros->is_contiguous()),
               "zero points must be contiguous float32 shaped as scales");
 }
 
-// The whole weight expanded to fp32 in one parallel pass, for inputs of many rows (prefill),
-// where one GEMM on the expanded weight beats panel_dots and the expansion is paid once.
+// The whole weight expanded to fp32 and transposed, [in_features, tiles * kTile] (the padding
+// columns are zero), in one parallel pass: for inputs of many rows (prefill), where one GEMM on
+// the expanded weight beats the panels and the expansion is paid once.
 at::Tensor weight_only_expand(const at::Tensor& weight, const at::Tensor& scales,
-                              const c10::optional<at::Tensor>& zeros) {
-  check_weight_only(weight, scales, zeros);
-  const int64_t n = weight.size(0), k = weight.size(1), group = k / scales.size(1);
-  at::Tensor out = at::empty({n, k}, scales.options());
+                              const c10::optional<at::Tensor>& zeros, int64_t out_features) {
+  check_weight_only(weight, scales, zeros, out_features);
+  const int64_t tiles = weight.size(0), k = weight.size(1), group = k / scales.size(1);
+  const int64_t width = tiles * kTile;
+  at::Tensor out = at::empty({k, width}, scales.options());
   const float* z = zeros.has_value() && zeros->defined() ? zeros->data_ptr<float>() : nullptr;
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    expand_rows(out.data_ptr<float>() + begin * k, weight.data_ptr<int8_t>(),
-                scales.data_ptr<float>(), z, begin, end - begin, k, group);
+  const int64_t tile_scales = scales.size(1) * kTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      expand_tile(out.data_ptr<float>() + t * kTile, width, weight.data_ptr<int8_t>() + t * k * kTile,
+                  scales.data_ptr<float>() + t * tile_scales,
+                  z != nullptr ? z + t * tile_scales : nullptr, k, group);
+    }
   });
   return out;
 }
 
 at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
                               const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
-                              const c10::optional<at::Tensor>& bias) {
+                              const c10::optional<at::Tensor>& bias, int64_t out_features) {
   check_rows(x, "x");
-  check_weight_only(weight, scales, zeros);
-  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
+  check_weight_only(weight, scales, zeros, out_features);
+  const int64_t rows = x.size(0), k = x.size(1), n = out_features;
   TORCH_CHECK(weight.size(1) == k, "x and weight disagree on in_features");
-  TORCH_CHECK(k % kLanes == 0, "in_features must be a multiple of ", kLanes);
   const bool has_zeros = zeros.has_value() && zeros->defined();
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || (bias->numel() == n && bias->scalar_type() == x.scalar_type() &&
                             bias->is_contiguous()),
               "bias must be contiguous [out] in x's dtype");
-  const int64_t group = k / scales.size(1);
+  const int64_t group = k / scales.size(1), tile_scales = scales.size(1) * kTile;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({rows, n}, x.options());
   dispatch(x, "weight_only_linear", [&](auto* tag) {
@@ -710,40 +717,43 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
     const float* z = has_zeros ? zeros->data_ptr<float>() : nullptr;
     const T* b = has_bias ? ptr<T>(*bias) : nullptr;
     T* o = ptr<T>(out);
-    const int64_t tiles = (n + kWoCols - 1) / kWoCols;
-    // rows [r, r + count) of the output tile starting at column `first`, from `sums`
-    auto store = [&](const float* sums, int64_t first, int64_t cols, int64_t r, int64_t count) {
-      for (int64_t i = 0; i < count; ++i) {
-        for (int64_t c = 0; c < cols; ++c) {
-          const float add = b != nullptr ? ld(b + first + c) : 0.f;
-          st(o + (r + i) * n + first + c, sums[i * kWoCols + c] + add);
-        }
-      }
-    };
-    const bool direct = rows <= kWoRows && group % kLanes == 0;
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> panel(direct ? 0 : kWoCols * k);
-      float sums[kWoRows * kWoCols];
-      for (int64_t tile = begin; tile < end; ++tile) {
-        const int64_t first = tile * kWoCols, cols = std::min(kWoCols, n - first);
-        // a thread's tiles are one contiguous stretch of the weight: fetch two tiles ahead
-        if (tile + 2 < end) prefetch_bytes(q + (first + 2 * kWoCols) * k, kWoCols * k);
-        if (direct && cols == kWoCols) {
-          with_rows(rows, [&](auto count) {
-            direct_dots<decltype(count)::value>(sums, xs, k, q, s, z, first, group);
-          });
-          store(sums, first, cols, 0, rows);
+    const bool direct = rows <= kDirectMaxRows;
+    at::parallel_for(0, weight.size(0), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> panel(direct ? 0 : k * kTile);
+      float sums[kBlockRows * kTile];
+      for (int64_t t = begin; t < end; ++t) {
+        // a thread's tiles are one contiguous stretch of the weight: fetch the next one
+        if (t + 1 < end) prefetch_bytes(q + (t + 1) * k * kTile, k * kTile);
+        const int8_t* qt = q + t * k * kTile;
+        const float* st_ = s + t * tile_scales;
+        const float* zt = z != nullptr ? z + t * tile_scales : nullptr;
+        const int64_t first = t * kTile, cols = std::min(kTile, n - first);
+        // rows [r, r + count) of the tile's output, from `sums`
+        auto store = [&](int64_t r, int64_t count) {
+          for (int64_t i = 0; i < count; ++i) {
+            for (int64_t c = 0; c < cols; ++c) {
+              const float add = b != nullptr ? ld(b + first + c) : 0.f;
+              st(o + (r + i) * n + first + c, sums[i * kTile + c] + add);
+            }
+          }
+        };
+        if (direct) {
+          for (int64_t r = 0; r < rows; r += kDirectRows) {
+            const int64_t count = std::min<int64_t>(kDirectRows, rows - r);
+            with_block_rows<kDirectRows>(count, [&](auto c) {
+              direct_block<decltype(c)::value>(sums, xs + r * k, k, qt, st_, zt, group);
+            });
+            store(r, count);
+          }
           continue;
         }
-        if (panel.empty()) panel.resize(kWoCols * k);
-        expand_rows(panel.data(), q, s, z, first, cols, k, group);
-        std::fill(panel.begin() + cols * k, panel.end(), 0.f);  // past the weight's last row
-        for (int64_t r = 0; r < rows; r += kWoRows) {
-          const int64_t count = std::min<int64_t>(kWoRows, rows - r);
-          with_rows(count, [&](auto c) {
-            panel_dots<decltype(c)::value>(sums, xs + r * k, k, panel.data());
+        expand_tile(panel.data(), kTile, qt, st_, zt, k, group);
+        for (int64_t r = 0; r < rows; r += kBlockRows) {
+          const int64_t count = std::min<int64_t>(kBlockRows, rows - r);
+          with_block_rows<kBlockRows>(count, [&](auto c) {
+            panel_block<decltype(c)::value>(sums, xs + r * k, k, panel.data());
           });
-          store(sums, first, cols, r, count);
+          store(r, count);
         }
       }
     });
@@ -751,16 +761,20 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-// Inputs of more rows than this (prefill) take weight_only_expand and one GEMM; measured on a
-// Zen 3, the GEMM on the expanded weight wins from ~48 rows.
+// Inputs of more rows than this (prefill) take weight_only_expand and one GEMM.
 constexpr int64_t kWoFusedMaxRows = 32;
 
 // x @ dequant(w).T + bias by whichever of the two forms above suits x's row count.
 at::Tensor weight_only_product(const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
-                               const c10::optional<at::Tensor>& bias) {
-  if (x.size(0) <= kWoFusedMaxRows) return weight_only_linear(x, weight, scales, zeros, bias);
-  return at::linear(x, weight_only_expand(weight, scales, zeros).to(x.scalar_type()), bias);
+                               const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  if (x.size(0) <= kWoFusedMaxRows) {
+    return weight_only_linear(x, weight, scales, zeros, bias, out_features);
+  }
+  const at::Tensor expanded =
+      weight_only_expand(weight, scales, zeros, out_features).narrow(1, 0, out_features);
+  const at::Tensor w = expanded.to(x.scalar_type());
+  return bias.has_value() && bias->defined() ? at::addmm(*bias, x, w) : at::mm(x, w);
 }
 
 // Writes the new tokens' K and V into their cache slots: K into the token-minor K block layout
@@ -971,10 +985,11 @@ TORCH_LIBRARY(qpipe_cpu, m) {
         "Tensor down_zero_points, Tensor? down_bias) -> Tensor",
         int8_gated_mlp);
   m.def("weight_only_linear(Tensor x, Tensor weight, Tensor scales, Tensor? zeros, "
-        "Tensor? bias) -> Tensor");
-  m.def("weight_only_expand(Tensor weight, Tensor scales, Tensor? zeros) -> Tensor");
+        "Tensor? bias, int out_features) -> Tensor");
+  m.def("weight_only_expand(Tensor weight, Tensor scales, Tensor? zeros, int out_features) "
+        "-> Tensor");
   m.def("weight_only_product(Tensor x, Tensor weight, Tensor scales, Tensor? zeros, "
-        "Tensor? bias) -> Tensor");
+        "Tensor? bias, int out_features) -> Tensor");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
         "Tensor slot_mapping) -> ()");
   m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "

@@ -105,6 +105,24 @@ def serves(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in DTYPES and load()
 
 
+TILE = 16  # output features per tile in the weight-only kernels' layout (kTile in the C++)
+
+
+def tiled(t: torch.Tensor) -> torch.Tensor:
+    """[out, cols] -> [ceil(out / TILE), cols, TILE], zero-padded: the layout in which the
+    weight-only kernels read a weight and its scales and zero points, column-major inside a tile
+    so that one vector load holds one value of each of TILE output features."""
+    pad = -t.shape[0] % TILE
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
+    return t.view(-1, TILE, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def untiled(t: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The inverse of `tiled`: [out_features, cols]."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:out_features]
+
+
 def decode_attention_fits(head_dim: int, block_size: int) -> bool:
     """The decode kernel works in vectors of 16 floats (8 on AVX2) along heads and blocks."""
     return head_dim % 16 == 0 and head_dim <= 256 and block_size % 16 == 0

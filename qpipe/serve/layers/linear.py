@@ -146,10 +146,10 @@ def onednn_int8_is_exact() -> bool:
     return exact
 
 
-def _kernels_multiply_int8(in_features: int) -> bool:
-    """Whether the CPU kernels take a plain int8 weight this wide and multiply its values in fp32
-    themselves (they work in whole vectors along in_features)."""
-    return in_features % 16 == 0 and cpu_kernels.load()
+def _kernels_multiply_int8() -> bool:
+    """Whether a W8A8 layer on a CPU without VNNI can leave its int8 weight to the weight-only
+    kernels (in their tiles) rather than keep an fp32 copy."""
+    return cpu_kernels.load()
 
 
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,8 +166,8 @@ class Int8Linear(LinearBase):
     2-4x `torch._int_mm` at 2048 rows, up to 1.7x at 32); on a CPU without VNNI, where that GEMM
     saturates and `_int_mm` is ~10x slower than fp32, in fp32 over the int8 values (products and
     sums of integers are exact in fp32 below 2^24, far above what per-token quantized activations
-    reach): the weight-only kernels read the weight as it is, one byte per value, with unit
-    scales, so decode reads a quarter of an fp32 copy's bytes (or, without those kernels, an
+    reach): the weight-only kernels read the weight in their tiles, one byte per value, with
+    unit scales, so decode reads a quarter of an fp32 copy's bytes (or, without those kernels, an
     fp32 copy on an fp32 GEMM); on GPU on `torch._int_mm`. All compute
     (acc * weight_scale) * token_scale in fp32, rounded once to the model dtype."""
 
@@ -186,8 +186,8 @@ class Int8Linear(LinearBase):
             self.packed = torch.ops.onednn.qlinear_prepack(
                 self.weight, [batch_hint, self.weight.shape[1]]
             )
-        elif _kernels_multiply_int8(self.weight.shape[1]):
-            self.packed = self.weight
+        elif _kernels_multiply_int8():
+            self.packed = cpu_kernels.tiled(self.weight)
         else:
             values = self.weight.float()
             packed = _packed_for_onednn(values, batch_hint)
@@ -212,7 +212,8 @@ class Int8Linear(LinearBase):
 
     def cpu_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What the packed layer hands the CPU kernels' int8 product: weight (oneDNN-packed int8,
-        the plain int8 values, or those values in fp32), per-channel scales, zero points."""
+        the int8 values in the weight-only kernels' tiles, or those values in fp32), per-channel
+        scales, zero points."""
         return self.packed, self.weight_scale.view(-1), self.weight_zero_points
 
     def _scaled_product(self, q: torch.Tensor) -> torch.Tensor:
@@ -222,7 +223,10 @@ class Int8Linear(LinearBase):
             return _onednn_int8_product(q, *self.cpu_operands())
         if packed is not None and packed.dtype is not torch.int8:  # the int8 values in fp32
             return _dense_product(q.float(), packed, None).mul_(self.weight_scale)
-        weight = self.weight if packed is None else packed
+        if packed is None:
+            weight = self.weight
+        else:  # the int8 values in the weight-only kernels' tiles
+            weight = cpu_kernels.untiled(packed, self.weight_scale.numel())
         rows = q.shape[0]
         if q.is_cuda and rows <= 16:  # cuBLAS int8 GEMM needs M > 16
             q = F.pad(q, (0, 0, 0, 17 - rows))
@@ -293,15 +297,19 @@ class Fp8Linear(LinearBase):
 
 class WeightOnlyLinear(LinearBase):
     """int4/int8 weights with per-group scales (and zero points when asymmetric), 16/32-bit
-    activations. Values are kept unpacked, one per byte. On CPU, for inputs of up to 32 rows
-    (decode), the kernels expand the weight a few output rows at a time inside the product, so it
-    is read at one byte per value and never written out in fp32 (measured on a Zen 3, SmolLM2
-    W4A16: 166 -> 40 ms per token at concurrency 1); larger inputs (prefill) expand it once per
-    call in one parallel pass and run one GEMM. Elsewhere (GPU, or without the kernels) the
-    weight is expanded in torch on each call."""
+    activations. Values are kept unpacked, one per byte. On CPU the layer is packed into the
+    kernels' tiles (`cpu_kernels.tiled`) at load; for inputs of up to 32 rows (decode) the kernels
+    expand one tile at a time inside the product, so the weight is read at one byte per value and
+    never written out in fp32 (measured on a Zen 3, SmolLM2 W4A16: 166 -> 40 ms per token at
+    concurrency 1 against the eager expansion); larger inputs (prefill) expand it once per call in
+    one parallel pass and run one GEMM. Elsewhere (GPU, or without the kernels) the weight is
+    expanded in torch on each call."""
 
     kind = "weight_only"
     optional_buffers = ("bias", "weight_zero_point")
+    out_features: int
+    packed_scale: torch.Tensor | None = None
+    packed_zero_point: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -317,22 +325,47 @@ class WeightOnlyLinear(LinearBase):
         self.register_buffer("weight_zero_point", zero)
         self.register_buffer("bias", bias)
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        out_features, in_features = self.weight.shape
-        groups = self.weight_scale.shape[1]
-        w = self.weight.view(out_features, groups, -1).to(self.weight_scale.dtype)
+    def pack_for_cpu(self, batch_hint: int) -> bool:
+        """The weight, scales and zero points in the kernels' tiles, replacing the plain ones."""
+        if not cpu_kernels.load():
+            return False
+        self.out_features = self.weight.shape[0]
+        self.packed = cpu_kernels.tiled(self.weight)
+        self.packed_scale = cpu_kernels.tiled(self.weight_scale)
         if self.weight_zero_point is not None:
-            w = w - self.weight_zero_point.view(out_features, groups, 1)
-        w = w * self.weight_scale.view(out_features, groups, 1)
+            self.packed_zero_point = cpu_kernels.tiled(self.weight_zero_point)
+        self.weight = self.weight_scale = self.weight_zero_point = None
+        return True
+
+    def quantized(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Weight [out, in], scales and zero points [out, groups], as loaded or out of the tiles."""
+        if self.packed is None:
+            return self.weight, self.weight_scale, self.weight_zero_point
+        zero = self.packed_zero_point
+        return (
+            cpu_kernels.untiled(self.packed, self.out_features),
+            cpu_kernels.untiled(self.packed_scale, self.out_features),
+            None if zero is None else cpu_kernels.untiled(zero, self.out_features),
+        )
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        weight, scale, zero = self.quantized()
+        out_features, in_features = weight.shape
+        groups = scale.shape[1]
+        w = weight.reshape(out_features, groups, -1).to(scale.dtype)
+        if zero is not None:
+            w = w - zero.reshape(out_features, groups, 1)
+        w = w * scale.reshape(out_features, groups, 1)
         return w.view(out_features, in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if not (cpu_kernels.usable(x2) and x2.stride(-1) == 1 and x2.shape[1] % 16 == 0):
+        if self.packed is None or not (cpu_kernels.usable(x2) and x2.stride(-1) == 1):
             return F.linear(x, self.dequantized(x.dtype), self.bias)
         y = cpu_kernels.ops.weight_only_product(
-            x2, self.weight, self.weight_scale, self.weight_zero_point, self.bias
-        )
+            x2, self.packed, self.packed_scale, self.packed_zero_point, self.bias,
+            self.out_features,
+        )  # fmt: skip
         return y.reshape(*x.shape[:-1], -1)
 
 
