@@ -25,7 +25,15 @@ from types import FrameType
 
 import httpx
 from hf_generate import run_hf_generate
-from peers import PEERS, SERVED_MODEL_NAME, PeerPaths, git_commit, peer_version, server_spec
+from peers import (
+    PEERS,
+    QUANTIZED,
+    SERVED_MODEL_NAME,
+    PeerPaths,
+    git_commit,
+    peer_version,
+    server_spec,
+)
 from report import PeerRun, write_report
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -211,14 +219,15 @@ def parse_args(argv: list[str] | None) -> CompareConfig:
     parser.add_argument("--vllm-python", type=Path, default=PEERS_DIR / "vllm-venv/bin/python")
     parser.add_argument("--vllm-model", type=Path, default=PEERS_DIR / "smollm2-135m-fp32")
     parser.add_argument("--int8", default=None, help="qpipe int8 artifact directory or alias")
+    parser.add_argument("--w4a16", default=None, help="a W4A16 checkpoint or qpipe artifact")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds per server")
     args = parser.parse_args(argv)
     llama_server = args.llama_server
     if llama_server is None and DEFAULT_LLAMA_SERVER.is_file():
         llama_server = DEFAULT_LLAMA_SERVER
     peers = tuple(p.strip() for p in args.peers.split(",") if p.strip())
-    if args.int8 is None and "qpipe-int8" in peers and args.peers == parser.get_default("peers"):
-        peers = tuple(p for p in peers if p != "qpipe-int8")  # optional row: skipped unless given
+    if args.peers == parser.get_default("peers"):  # optional rows: skipped unless given
+        peers = tuple(p for p in peers if getattr(args, QUANTIZED.get(p, "peers")) is not None)
     paths = PeerPaths(
         checkpoint=args.checkpoint,
         gguf=args.gguf,
@@ -226,6 +235,7 @@ def parse_args(argv: list[str] | None) -> CompareConfig:
         vllm_python=args.vllm_python,
         vllm_model=args.vllm_model,
         int8=args.int8,
+        w4a16=args.w4a16,
     )
     try:
         return CompareConfig(

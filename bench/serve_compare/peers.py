@@ -12,7 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SERVED_MODEL_NAME = "smollm2"
-HTTP_PEERS = ("llamacpp", "vllm", "vllm-bf16", "qpipe", "qpipe-bf16", "qpipe-int8")
+HTTP_PEERS = (
+    "llamacpp", "vllm", "vllm-bf16", "qpipe", "qpipe-bf16", "qpipe-int8", "qpipe-w4a16",
+)  # fmt: skip
+# the peers that serve a quantized model: the PeerPaths field (and compare.py option) naming it
+QUANTIZED = {"qpipe-int8": "int8", "qpipe-w4a16": "w4a16"}
 PEERS = ("hf", *HTTP_PEERS)
 LABELS = {
     "hf": "HF transformers generate, fp32, static batches",
@@ -22,6 +26,7 @@ LABELS = {
     "qpipe": "qpipe serve, fp32",
     "qpipe-bf16": "qpipe serve, bf16 (its auto on AMX CPUs)",
     "qpipe-int8": "qpipe serve, int8 W8A8 artifact (auto dtype)",
+    "qpipe-w4a16": "qpipe serve, int4 W4A16 checkpoint (group 64, auto dtype)",
 }
 DTYPES = {"vllm": "float32", "vllm-bf16": "bfloat16", "qpipe": "float32", "qpipe-bf16": "bfloat16"}
 # vLLM's CPU docs ask for tcmalloc and Intel's OpenMP in LD_PRELOAD; it runs best with them.
@@ -54,6 +59,7 @@ class PeerPaths:
     vllm_python: Path
     vllm_model: Path
     int8: str | None  # qpipe artifact directory or store alias
+    w4a16: str | None  # compressed-tensors W4A16 checkpoint or qpipe artifact
 
 
 def server_spec(
@@ -95,10 +101,10 @@ def server_spec(
         if all(Path(lib).is_file() for lib in preload):
             env["LD_PRELOAD"] = ":".join(preload)
         return ServerSpec(peer, command, port, env, startup_timeout_s)
-    if peer in ("qpipe", "qpipe-bf16", "qpipe-int8"):
-        model = paths.int8 if peer == "qpipe-int8" else str(paths.checkpoint)
+    if peer in ("qpipe", "qpipe-bf16", *QUANTIZED):
+        model = getattr(paths, QUANTIZED[peer]) if peer in QUANTIZED else str(paths.checkpoint)
         if model is None:
-            raise ValueError("the qpipe-int8 peer needs --int8 PATH_OR_ALIAS (a qpipe artifact)")
+            raise ValueError(f"the {peer} peer needs --{QUANTIZED[peer]} PATH_OR_ALIAS")
         command = (
             sys.executable, "-m", "qpipe", "serve", model, "--host", "127.0.0.1",
             "--port", str(port), "--max-num-seqs", str(max(64, max_concurrency)),
