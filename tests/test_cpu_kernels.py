@@ -273,11 +273,11 @@ def test_weight_only_kernels_equal_the_exact_product(
     dtype: torch.dtype, zero_points: bool, in_features: int, group: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    """int4/int8 weight-only layers: the kernels (one tile of the packed weight expanded into a
-    panel at a time, every block of input rows against it; all at once above 32 rows) and the
-    eager expansion, before packing and back out of the tiles, all equal the product in fp64, for
-    row counts that reach each path and the tails of the row blocks, 130 output features (not a
-    whole number of tiles), and an in_features that is no multiple of a vector (200)."""
+    """int4/int8 weight-only layers: the kernels (one tile of the packed weight expanded at a
+    time, every block of input rows against it; all at once above 32 rows in bf16) and the eager
+    expansion, before packing and back out of the tiles, all equal the product in fp64, for row
+    counts that reach each path and the tails of the row blocks, 130 output features (not a whole
+    number of tiles), and an in_features that is no multiple of a vector (200)."""
     gen = torch.Generator().manual_seed(5)
     out_features = 130
     groups = in_features // group
@@ -301,7 +301,7 @@ def test_weight_only_kernels_equal_the_exact_product(
         check(torch.randn(rows, in_features, generator=gen).to(dtype))
     assert pack_linear_weights(torch.nn.Sequential(layer), batch_hint=32) == 1
     assert layer.weight is None and layer.packed.shape == (9, in_features, cpu_kernels.TILE)
-    # 1-12: every tail of a block of rows; 32: the last in place; 33, 100: expanded at once
+    # 1-12: every tail of a block of rows; 17-32: panels; 33, 100: panels in fp32, expanded in bf16
     for rows in (*range(1, 13), 32, 33, 100):
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
         check(x)

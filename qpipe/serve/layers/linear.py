@@ -298,12 +298,12 @@ class Fp8Linear(LinearBase):
 class WeightOnlyLinear(LinearBase):
     """int4/int8 weights with per-group scales (and zero points when asymmetric), 16/32-bit
     activations. Values are kept unpacked, one per byte. On CPU the layer is packed into the
-    kernels' tiles (`cpu_kernels.tiled`) at load; for inputs of up to 32 rows (decode) the kernels
-    expand one tile at a time inside the product, so the weight is read at one byte per value and
-    never written out in fp32 (measured on a Zen 3, SmolLM2 W4A16: 166 -> 40 ms per token at
-    concurrency 1 against the eager expansion); larger inputs (prefill) expand it once per call in
-    one parallel pass and run one GEMM. Elsewhere (GPU, or without the kernels) the weight is
-    expanded in torch on each call."""
+    kernels' tiles (`cpu_kernels.tiled`) at load, and the kernels expand one tile at a time inside
+    the product, so the weight is read at one byte per value and never written out in fp32
+    (measured on a Zen 3, SmolLM2 W4A16: 166 -> 40 ms per token at concurrency 1 against the eager
+    expansion); only bf16 inputs of more than 32 rows (prefill where bf16 GEMMs are fast) expand
+    it once per call in one parallel pass and run one GEMM. Elsewhere (GPU, or without the
+    kernels) the weight is expanded in torch on each call."""
 
     kind = "weight_only"
     optional_buffers = ("bias", "weight_zero_point")
