@@ -195,10 +195,18 @@ def int8_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     if request.param != "onednn":
         monkeypatch.setattr(linear, "onednn_int8_is_exact", lambda: False)
     if request.param.startswith("fp32"):
-        monkeypatch.setattr(linear, "_kernels_multiply_int8", lambda: False)
         on_onednn = request.param == "fp32-onednn"
         monkeypatch.setattr(linear, "_mkl_runs_generic_code", lambda: on_onednn)
     return request.param
+
+
+def pack_w8a8(int8_backend: str, *layers: Int8Linear) -> int:
+    """`pack_linear_weights` as a CPU of the backend's kind does it: the fp32 forms are what a
+    layer gets when the CPU kernels cannot be loaded at that point."""
+    with pytest.MonkeyPatch.context() as patch:
+        if int8_backend.startswith("fp32"):
+            patch.setattr(cpu_kernels, "load", lambda: False)
+        return pack_linear_weights(torch.nn.Sequential(*layers), batch_hint=32)
 
 
 def test_the_int8_exactness_probe_tells_what_a_full_range_product_shows() -> None:
@@ -244,7 +252,7 @@ def test_int8_linear_kernels_equal_the_eager_w8a8_path(
     bias = torch.randn(192, generator=gen) if with_bias else None
     layer = Int8Linear(weight, weight_scale, bias)
     if packed:
-        assert pack_linear_weights(torch.nn.Sequential(layer), batch_hint=32) == 1
+        assert pack_w8a8(int8_backend, layer) == 1
         assert layer.weight is None
         int8 = int8_backend in ("onednn", "int8-values")
         assert layer.packed.dtype == (torch.int8 if int8 else torch.float32)
@@ -348,7 +356,7 @@ def test_fused_int8_gated_mlp_equals_the_layer_by_layer_path(
         )
 
     gate_up, down = layer(2 * intermediate, hidden), layer(hidden, intermediate)
-    assert pack_linear_weights(torch.nn.Sequential(gate_up, down), batch_hint=32) == 2
+    assert pack_w8a8(int8_backend, gate_up, down) == 2
     x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
     x[:, 5] *= 100.0  # an outlier channel
     with torch.profiler.profile() as profile:

@@ -685,10 +685,12 @@ at::Tensor weight_only_expand(const at::Tensor& weight, const at::Tensor& scales
   at::Tensor out = at::empty({k, width}, scales.options());
   const float* z = zeros.has_value() && zeros->defined() ? zeros->data_ptr<float>() : nullptr;
   const int64_t tile_scales = scales.size(1) * kTile;
+  float* o = out.data_ptr<float>();
+  const int8_t* q = weight.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      expand_tile(out.data_ptr<float>() + t * kTile, width, weight.data_ptr<int8_t>() + t * k * kTile,
-                  scales.data_ptr<float>() + t * tile_scales,
+      expand_tile(o + t * kTile, width, q + t * k * kTile, s + t * tile_scales,
                   z != nullptr ? z + t * tile_scales : nullptr, k, group);
     }
   });
@@ -725,9 +727,9 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
       for (int64_t t = begin; t < end; ++t) {
         // a thread's tiles are one contiguous stretch of the weight: fetch the next one
         if (t + 1 < end) prefetch_bytes(q + (t + 1) * k * kTile, k * kTile);
-        const int8_t* qt = q + t * k * kTile;
-        const float* st_ = s + t * tile_scales;
-        const float* zt = z != nullptr ? z + t * tile_scales : nullptr;
+        const int8_t* q_tile = q + t * k * kTile;
+        const float* s_tile = s + t * tile_scales;
+        const float* z_tile = z != nullptr ? z + t * tile_scales : nullptr;
         const int64_t first = t * kTile, cols = std::min(kTile, n - first);
         // rows [r, r + count) of the tile's output, from `sums`
         auto store = [&](int64_t r, int64_t count) {
@@ -742,13 +744,14 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
           for (int64_t r = 0; r < rows; r += kDirectRows) {
             const int64_t count = std::min<int64_t>(kDirectRows, rows - r);
             with_block_rows<kDirectRows>(count, [&](auto c) {
-              direct_block<decltype(c)::value>(sums, xs + r * k, k, qt, st_, zt, group);
+              direct_block<decltype(c)::value>(sums, xs + r * k, k, q_tile, s_tile, z_tile,
+                                               group);
             });
             store(r, count);
           }
           continue;
         }
-        expand_tile(panel.data(), kTile, qt, st_, zt, k, group);
+        expand_tile(panel.data(), kTile, q_tile, s_tile, z_tile, k, group);
         for (int64_t r = 0; r < rows; r += kBlockRows) {
           const int64_t count = std::min<int64_t>(kBlockRows, rows - r);
           with_block_rows<kBlockRows>(count, [&](auto c) {

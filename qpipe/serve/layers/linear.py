@@ -146,12 +146,6 @@ def onednn_int8_is_exact() -> bool:
     return exact
 
 
-def _kernels_multiply_int8() -> bool:
-    """Whether a W8A8 layer on a CPU without VNNI can leave its int8 weight to the weight-only
-    kernels (in their tiles) rather than keep an fp32 copy."""
-    return cpu_kernels.load()
-
-
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric dynamic int8 per row, with compressed-tensors' scale (absmax / 127.5) so results
     match what llm-compressor calibrated against."""
@@ -186,7 +180,7 @@ class Int8Linear(LinearBase):
             self.packed = torch.ops.onednn.qlinear_prepack(
                 self.weight, [batch_hint, self.weight.shape[1]]
             )
-        elif _kernels_multiply_int8():
+        elif cpu_kernels.load():  # the weight-only kernels take the int8 values in their tiles
             self.packed = cpu_kernels.tiled(self.weight)
         else:
             values = self.weight.float()
