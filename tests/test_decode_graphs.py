@@ -96,7 +96,7 @@ def test_one_token_prompt_chunks_in_a_static_step_score_their_prompt_logprobs(
         engine = LLMEngine(
             EngineConfig(
                 model=str(smollm2_checkpoint), dtype="float32", num_kv_blocks=64,
-                max_model_len=256, max_num_batched_tokens=3,
+                max_model_len=256, max_num_batched_tokens=3, max_num_seqs=3,
             )
         )  # fmt: skip
         runner = engine.model_runner

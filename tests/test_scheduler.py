@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from qpipe.serve.config import EngineConfig
 from qpipe.serve.sampling_params import SamplingParams
 from qpipe.serve.scheduler import ScheduledBatch, Scheduler
@@ -48,7 +50,7 @@ def test_admission_stops_at_max_num_seqs(tmp_path: Path) -> None:
 
 
 def test_chunked_prefill_respects_the_token_budget_and_decodes_go_first(tmp_path: Path) -> None:
-    s = make(tmp_path, max_num_batched_tokens=16)
+    s = make(tmp_path, max_num_batched_tokens=16, max_num_seqs=16)
     add(s, "a", 6)
     assert plan(run_step(s)) == [("a", 6)]
     add(s, "b", 40)
@@ -116,3 +118,23 @@ def test_abort_frees_blocks_of_running_and_waiting(tmp_path: Path) -> None:
     s.abort(b)
     assert a.finish_reason == b.finish_reason == "abort"
     assert not s.running and not s.waiting and s.block_manager.num_free_blocks == 64
+
+
+def test_the_default_token_budget_is_the_devices_and_covers_max_num_seqs(tmp_path: Path) -> None:
+    cpu = make(tmp_path, num_blocks=512)
+    for i in range(5):
+        add(cpu, f"r{i}", 128)
+    # 512 tokens on a CPU: four 128-token prompts fill the step, the fifth waits for the next
+    assert plan(run_step(cpu)) == [(f"r{i}", 128) for i in range(4)]
+    assert plan(run_step(cpu)) == [(f"r{i}", 1) for i in range(4)] + [("r4", 128)]
+    gpu = Scheduler(
+        EngineConfig(model=str(tmp_path), device="cuda", block_size=BS),
+        num_blocks=512,
+        max_model_len=1024,
+    )
+    for i in range(5):
+        add(gpu, f"r{i}", 128)
+    assert plan(run_step(gpu)) == [(f"r{i}", 128) for i in range(5)]
+    assert make(tmp_path, max_num_batched_tokens=700).max_num_batched_tokens == 700
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(32\) is below max_num_seqs"):
+        make(tmp_path, max_num_batched_tokens=32)

@@ -151,7 +151,7 @@ def test_chunked_prefill_and_preemption_give_the_same_tokens(
     tight = LLMEngine(
         EngineConfig(
             model=str(smollm2_checkpoint), dtype="float32", num_kv_blocks=8,
-            max_num_batched_tokens=40, enable_prefix_caching=False,
+            max_num_batched_tokens=40, max_num_seqs=40, enable_prefix_caching=False,
         )
     )  # fmt: skip
     assert tight.generate(prompts, params) == reference
@@ -212,7 +212,7 @@ def test_prompt_logprobs_equal_transformers_past_the_cache_chunks_and_preemption
     tight = LLMEngine(
         EngineConfig(
             model=str(smollm2_checkpoint), dtype="float32", num_kv_blocks=8,
-            max_num_batched_tokens=40,
+            max_num_batched_tokens=40, max_num_seqs=40,
         )
     )  # fmt: skip
     tight_scored, tight_tokens = collect_prompt_logprobs(tight, prompts, params)

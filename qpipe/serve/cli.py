@@ -39,7 +39,9 @@ def serve(
     host: Annotated[str, typer.Option(help="Interface to bind; 0.0.0.0 exposes it.")] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8000,
     max_num_seqs: Annotated[int, typer.Option(help="Most requests in one batch.")] = 64,
-    max_num_batched_tokens: Annotated[int, typer.Option(help="Most tokens in one step.")] = 2048,
+    max_num_batched_tokens: Annotated[
+        int | None, typer.Option(help="Most tokens in one step (default: 512 on CPU, 2048 on GPU).")
+    ] = None,
     max_model_len: Annotated[
         int | None, typer.Option(help="Prompt + output limit (default: the checkpoint's).")
     ] = None,

@@ -103,9 +103,9 @@ class ModelRunner:
         )  # fmt: skip
         log.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB); max concurrency at max_model_len %d: "
-            "%.1f",
+            "%.1f; steps of at most %d tokens",
             self.num_kv_blocks, self.block_size, self.kv_cache.nbytes / GIB, self.max_model_len,
-            capacity / self.max_model_len,
+            capacity / self.max_model_len, config.token_budget,
         )  # fmt: skip
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and self.decode_kernel and not config.enforce_eager:
@@ -153,7 +153,7 @@ class ModelRunner:
         """The largest step the scheduler may form: max_num_batched_tokens fresh prompt tokens,
         as prompts of at most `max_len` tokens (positions past it have no rotary entry), on a
         scratch cache of their own; returns the logits of the last token."""
-        tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len_cap)
+        tokens = min(self.config.token_budget, self.config.max_model_len_cap)
         seq_len = min(tokens, max_len)
         blocks = -(-tokens // self.block_size)
         scratch = torch.zeros(

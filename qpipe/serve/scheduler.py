@@ -36,7 +36,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
         self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_batched_tokens = config.token_budget
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
