@@ -138,3 +138,5 @@ def test_the_default_token_budget_is_the_devices_and_covers_max_num_seqs(tmp_pat
     assert make(tmp_path, max_num_batched_tokens=700).max_num_batched_tokens == 700
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(32\) is below max_num_seqs"):
         make(tmp_path, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match=r"\(512, the cpu default\) is below max_num_seqs \(513\)"):
+        make(tmp_path, max_num_seqs=513)

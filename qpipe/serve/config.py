@@ -15,7 +15,8 @@ DEVICES = ("cpu", "cuda")
 # in tens of milliseconds, and vLLM's API server uses 2048 too. A CPU needs seconds for them
 # (SmolLM2 on 2 Zen 3 cores: ~4 s), so there the budget is 512: measured offline at concurrency
 # 32, 128-token prompts, TTFT p50 4.1 -> 2.1 s at the same output tok/s (c=8: 2.0 -> 1.3 s,
-# c=64: 4.6 -> 2.3 s), for ~15 % more time to a lone 2000-token prompt's first token.
+# c=64: 4.6 -> 2.3 s), for 15-25 % more TPOT and ~15 % more time to a lone 2000-token prompt's
+# first token.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 
 
@@ -59,8 +60,10 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {value}")
         if self.token_budget < self.max_num_seqs:
             # every running request's decode row needs a place in each step, or some stall
+            default = self.max_num_batched_tokens is None
+            given = f", the {self.device} default" if default else ""
             raise ValueError(
-                f"EngineConfig.max_num_batched_tokens ({self.token_budget}) is below "
+                f"EngineConfig.max_num_batched_tokens ({self.token_budget}{given}) is below "
                 f"max_num_seqs ({self.max_num_seqs}); raise it to at least max_num_seqs"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
