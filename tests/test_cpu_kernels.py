@@ -403,13 +403,16 @@ def test_onednn_packed_bf16_linear_gives_the_same_bits(rows: int) -> None:
     assert torch.equal(packed(x), expected)
 
 
-@pytest.mark.parametrize("generic_mkl", [False, True])
+@pytest.mark.parametrize(("generic_mkl", "kernels"), [(False, True), (True, True), (True, False)])
 def test_fp32_weights_are_packed_where_mkl_runs_generic_code(
-    generic_mkl: bool, monkeypatch: pytest.MonkeyPatch
+    generic_mkl: bool, kernels: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """fp32 goes to oneDNN's packed GEMM only on non-Intel CPUs (MKL's generic code there is
-    1.3-3x slower at decode batch sizes), with the same results up to summation order."""
+    """fp32 leaves MKL only on non-Intel CPUs (MKL's generic code there is 1.3-3x slower at decode
+    batch sizes): for the tile kernel, or for oneDNN's packed GEMM where the kernels cannot be
+    built, with the same results up to summation order."""
     monkeypatch.setattr(linear, "_mkl_runs_generic_code", lambda: generic_mkl)
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "load", lambda: False)
     gen = torch.Generator().manual_seed(8)
     weight, bias = torch.randn(960, 576, generator=gen), torch.randn(960, generator=gen)
     x = torch.randn(32, 576, generator=gen)
@@ -417,4 +420,37 @@ def test_fp32_weights_are_packed_where_mkl_runs_generic_code(
     layer = DenseLinear(weight, bias)
     assert pack_linear_weights(torch.nn.Sequential(layer), batch_hint=64) == int(generic_mkl)
     assert (layer.packed is not None) == generic_mkl
+    if generic_mkl:
+        assert layer.packed.is_mkldnn != kernels
+        assert kernels == (layer.packed.shape == (60, 576, cpu_kernels.TILE))
     torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_dense_tile_kernel_equals_the_exact_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 weights in tiles: every row count up to a block of rows and its tails, 32 and 100
+    rows, 130 output features (not a whole number of tiles), in_features 200 (no multiple of a
+    vector), with and without bias, leading dims kept; and what the kernel refuses."""
+    monkeypatch.setattr(linear, "_mkl_runs_generic_code", lambda: True)
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.randn(130, 200, generator=gen)
+    for bias in (None, torch.randn(130, generator=gen)):
+        layer = DenseLinear(weight, bias)
+        assert pack_linear_weights(torch.nn.Sequential(layer), batch_hint=8) == 1
+        assert layer.weight is None and layer.packed.shape == (9, 200, cpu_kernels.TILE)
+        for rows in (*range(1, 14), 32, 100):
+            x = torch.randn(rows, 200, generator=gen)
+            exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+            atol = 1e-6 * exact.abs().max().item()
+            torch.testing.assert_close(layer(x).double(), exact, atol=atol, rtol=0)
+        assert layer(torch.randn(2, 3, 200, generator=gen)).shape == (2, 3, 130)
+    tiles = cpu_kernels.tiled(weight)
+    with pytest.raises(RuntimeError, match="takes float32 inputs"):
+        cpu_kernels.ops.dense_linear(torch.zeros(1, 200, dtype=torch.bfloat16), tiles, None, 130)
+    with pytest.raises(RuntimeError, match="weight must be contiguous float32 tiles"):
+        cpu_kernels.ops.dense_linear(torch.zeros(1, 200), weight, None, 130)
+    with pytest.raises(RuntimeError, match="out_features 145 does not fit 9 tiles"):
+        cpu_kernels.ops.dense_linear(torch.zeros(1, 200), tiles, None, 145)
+    with pytest.raises(RuntimeError, match="disagree on in_features"):
+        cpu_kernels.ops.dense_linear(torch.zeros(1, 192), tiles, None, 130)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        cpu_kernels.ops.dense_linear(torch.zeros(1, 200), tiles, torch.zeros(129), 130)
