@@ -318,6 +318,7 @@ def test_weight_only_kernels_equal_the_exact_product(
             check(x)
     x3 = torch.randn(2, 3, in_features, generator=gen).to(dtype)  # leading dims are kept
     assert layer(x3).shape == (2, 3, out_features)
+    assert layer(torch.zeros(0, in_features, dtype=dtype)).shape == (0, out_features)
 
 
 def test_weight_only_kernel_rejects_what_it_cannot_read() -> None:
@@ -443,6 +444,7 @@ def test_dense_tile_kernel_equals_the_exact_product(monkeypatch: pytest.MonkeyPa
             atol = 1e-6 * exact.abs().max().item()
             torch.testing.assert_close(layer(x).double(), exact, atol=atol, rtol=0)
         assert layer(torch.randn(2, 3, 200, generator=gen)).shape == (2, 3, 130)
+        assert layer(torch.zeros(0, 200)).shape == (0, 130)  # a step in which no row samples
     tiles = cpu_kernels.tiled(weight)
     with pytest.raises(RuntimeError, match="takes float32 inputs"):
         cpu_kernels.ops.dense_linear(torch.zeros(1, 200, dtype=torch.bfloat16), tiles, None, 130)

@@ -36,5 +36,5 @@ def gated_mlp(gate_up: LinearBase, down: LinearBase, x: torch.Tensor) -> torch.T
         out = cpu_kernels.ops.int8_gated_mlp(
             x2, *gate_up.cpu_operands(), *down.cpu_operands(), down.bias
         )
-        return out.reshape(*x.shape[:-1], -1)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
     return down(silu_and_mul(gate_up(x)))

@@ -86,7 +86,7 @@ class DenseLinear(LinearBase):
         if self.packed is not None and not self.packed.is_mkldnn:  # fp32 tiles
             x2 = x.reshape(-1, x.shape[-1])
             y = cpu_kernels.ops.dense_linear(x2, self.packed, self.bias, self.out_features)
-            return y.reshape(*x.shape[:-1], -1)
+            return y.reshape(*x.shape[:-1], self.out_features)
         return _dense_product(x, self.weight if self.packed is None else self.packed, self.bias)
 
 
@@ -374,7 +374,7 @@ class WeightOnlyLinear(LinearBase):
             x2, self.packed, self.packed_scale, self.packed_zero_point, self.bias,
             self.out_features,
         )  # fmt: skip
-        return y.reshape(*x.shape[:-1], -1)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 LINEAR_KINDS: dict[str, type[LinearBase]] = {
