@@ -51,6 +51,7 @@ class DenseLinear(LinearBase):
     """16/32-bit weights; also where weight-only fp8 lands, expanded once at load."""
 
     kind = "dense"
+    out_features: int  # set with the fp32 tiles, whose last tile may be padded
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -64,7 +65,7 @@ class DenseLinear(LinearBase):
           (`dense_linear`). Measured on an AMD Zen 3 (AVX2) with the weights from DRAM, as in
           serving, against oneDNN's GEMM on its packed weight: 1.3-2x at 1-16 rows, 1-1.5x at
           32-64, even at 160, 0.8-0.9x at 512; SmolLM2 offline at concurrency 1 / 8 / 32:
-          14.5 / 63.7 / 110.6 -> 20.1 / 67.6 / 124.3 output tok/s. oneDNN in turn had been
+          14.5 / 65.4 / 110.4 -> 23.9 / 74.0 / 124.5 output tok/s. oneDNN in turn had been
           1.3-3x MKL's generic code at decode batch sizes; where the kernels cannot be built,
           fp32 still goes to oneDNN;
         - bf16 reordered for oneDNN's GEMM (measured on an AMX CPU: 1.3-1.6x per GEMM for 1-256
