@@ -683,14 +683,30 @@ void panel_rows(T* o, int64_t n, const T* b, int64_t first, int64_t cols, const 
   }
 }
 
-void check_weight_only(const at::Tensor& weight, const at::Tensor& scales,
-                       const c10::optional<at::Tensor>& zeros, int64_t out_features) {
-  TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kTile && weight.scalar_type() == at::kChar &&
+// A weight in tiles of `dtype` (named `dtype_name` in the message) holding out_features rows.
+void check_tiles(const at::Tensor& weight, at::ScalarType dtype, const char* dtype_name,
+                 int64_t out_features) {
+  TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kTile && weight.scalar_type() == dtype &&
                   weight.is_contiguous(),
-              "weight must be contiguous int8 tiles [tiles, in_features, ", kTile, "]");
+              "weight must be contiguous ", dtype_name, " tiles [tiles, in_features, ", kTile, "]");
   TORCH_CHECK(out_features > 0 && out_features <= weight.size(0) * kTile &&
                   out_features > (weight.size(0) - 1) * kTile,
               "out_features ", out_features, " does not fit ", weight.size(0), " tiles");
+}
+
+// Whether a linear layer has a bias, which must be contiguous [out_features] in x's dtype.
+bool has_bias_for(const c10::optional<at::Tensor>& bias, const at::Tensor& x,
+                  int64_t out_features) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->numel() == out_features &&
+                            bias->scalar_type() == x.scalar_type() && bias->is_contiguous()),
+              "bias must be contiguous [out] in x's dtype");
+  return has_bias;
+}
+
+void check_weight_only(const at::Tensor& weight, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& zeros, int64_t out_features) {
+  check_tiles(weight, at::kChar, "int8", out_features);
   TORCH_CHECK(scales.dim() == 3 && scales.size(0) == weight.size(0) && scales.size(2) == kTile &&
                   scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.size(1) > 0 && weight.size(1) % scales.size(1) == 0,
@@ -733,10 +749,7 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
   const int64_t rows = x.size(0), k = x.size(1), n = out_features;
   TORCH_CHECK(weight.size(1) == k, "x and weight disagree on in_features");
   const bool has_zeros = zeros.has_value() && zeros->defined();
-  const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->numel() == n && bias->scalar_type() == x.scalar_type() &&
-                            bias->is_contiguous()),
-              "bias must be contiguous [out] in x's dtype");
+  const bool has_bias = has_bias_for(bias, x, n);
   const int64_t group = k / scales.size(1), tile_scales = scales.size(1) * kTile;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({rows, n}, x.options());
@@ -785,18 +798,10 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
                         const c10::optional<at::Tensor>& bias, int64_t out_features) {
   check_rows(x, "x");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "dense_linear takes float32 inputs");
-  TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kTile &&
-                  weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              "weight must be contiguous float32 tiles [tiles, in_features, ", kTile, "]");
-  TORCH_CHECK(out_features > 0 && out_features <= weight.size(0) * kTile &&
-                  out_features > (weight.size(0) - 1) * kTile,
-              "out_features ", out_features, " does not fit ", weight.size(0), " tiles");
+  check_tiles(weight, at::kFloat, "float32", out_features);
   const int64_t rows = x.size(0), k = x.size(1), n = out_features;
   TORCH_CHECK(weight.size(1) == k, "x and weight disagree on in_features");
-  const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK(!has_bias || (bias->numel() == n && bias->scalar_type() == at::kFloat &&
-                            bias->is_contiguous()),
-              "bias must be contiguous float32 [out]");
+  const bool has_bias = has_bias_for(bias, x, n);
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({rows, n}, x.options());
   const float* xs = xc.data_ptr<float>();
