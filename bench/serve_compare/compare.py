@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import os
 import platform
@@ -42,6 +43,7 @@ from qpipe.bench.client import Target, send_request
 from qpipe.bench.config import LoadProfile
 from qpipe.bench.dataset import Tokenizer, load_tokenizer, random_prompts
 from qpipe.bench.history import cpu_model
+from qpipe.bench.machine_speed import measure
 from qpipe.bench.runner import BenchError, BenchOptions, run_benchmark
 from qpipe.bench.server_process import ServerProcess, ServerStartError, free_port
 
@@ -104,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             overall = progress.add_task("peers", total=len(config.peers))
             for peer in config.peers:
                 progress.update(overall, description=f"peer {peer}")
-                runs.append(run_peer(peer, versions[peer], config, tokenizer, progress))
+                speed = measure()
+                run = run_peer(peer, versions[peer], config, tokenizer, progress)
+                runs.append(dataclasses.replace(run, speed=speed))
                 write_report(config.out_dir, machine, runs)
                 progress.advance(overall)
     except KeyboardInterrupt:

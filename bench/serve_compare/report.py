@@ -9,6 +9,7 @@ from pathlib import Path
 
 from peers import LABELS, QPIPE_PEERS
 
+from qpipe.bench.machine_speed import MachineSpeed
 from qpipe.bench.runner import LevelResult
 
 HEADLINE_CONCURRENCY = 32
@@ -24,6 +25,7 @@ class PeerRun:
     levels: list[LevelResult]
     error: str | None = None
     usage_in_stream: bool | None = None  # None: in-process, or never got that far
+    speed: MachineSpeed | None = None  # probed just before the peer started
 
     def at(self, concurrency: int) -> LevelResult | None:
         return next((lv for lv in self.levels if lv.profile.concurrency == concurrency), None)
@@ -36,6 +38,7 @@ class PeerRun:
             "command": list(self.command) if self.command else None,
             "error": self.error,
             "usage_in_stream": self.usage_in_stream,
+            "machine_speed_before": self.speed.to_json() if self.speed else None,
             "levels": [_level_json(level) for level in self.levels],
         }
 
@@ -73,8 +76,18 @@ def results_markdown(machine: dict[str, object], runs: list[PeerRun]) -> str:
             )
         if run.error:
             lines.append(f"| {LABELS[run.peer]} | – | – | – | failed: {_one_line(run.error)} |||||")
-    lines += ["", *headline(runs), ""]
+    lines += ["", *headline(runs), "", *speeds(runs)]
     return "\n".join(lines)
+
+
+def speeds(runs: list[PeerRun]) -> list[str]:
+    """The machine's speed before each peer: a VM that slowed down between peers shows here."""
+    probed = [run for run in runs if run.speed is not None]
+    if not probed:
+        return []
+    lines = ["Machine speed just before each peer (`qpipe.bench.machine_speed`):", ""]
+    lines += [f"- {LABELS[run.peer]}: {run.speed.describe()}" for run in probed]
+    return [*lines, ""]
 
 
 def headline(runs: list[PeerRun]) -> list[str]:

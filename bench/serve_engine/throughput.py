@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from qpipe.bench.machine_speed import measure
 from qpipe.bench.metrics import Distribution
 from qpipe.serve.config import EngineConfig
 from qpipe.serve.engine import LLMEngine
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens
     )
+    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
     parser.add_argument("--profile", action="store_true")
@@ -42,6 +44,7 @@ def main() -> None:
             model=args.model,
             dtype=args.dtype,
             device=args.device,
+            block_size=args.block_size,
             kv_cache_memory_gib=1.0,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=max(args.concurrency, EngineConfig.max_num_seqs),
@@ -56,6 +59,7 @@ def main() -> None:
         for _ in range(total)
     ]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    speed = measure() if args.device == "cpu" else None  # a shared VM's speed drifts: say it
     engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     added: dict[str, float] = {}
     first: dict[str, float] = {}
@@ -110,6 +114,7 @@ def main() -> None:
         "steps": steps,
         "decode_step_p50_ms": statistics.median(decode_steps) * 1e3 if decode_steps else None,
         "wall_s": elapsed,
+        "machine_speed": speed.to_json() if speed else None,
     }
     print(
         f"concurrency {args.concurrency}, {total} requests, {steps} steps, "
@@ -117,6 +122,8 @@ def main() -> None:
         f"TTFT p50 {figures['ttft_p50_s']:.2f}s p99 {figures['ttft_p99_s']:.2f}s, "
         f"TPOT p50 {figures['tpot_p50_ms']:.0f}ms, {elapsed:.1f}s wall, {cpu:.1f}s CPU"
     )
+    if speed:
+        print(f"machine before the run: {speed.describe()}")
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(figures) + "\n")
