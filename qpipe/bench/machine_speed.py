@@ -1,10 +1,11 @@
 """How fast the machine is right now: fp32 GEMM GFLOP/s and memory read GB/s, taken in a few
 seconds beside a benchmark.
 
-Why: on a shared VM both drift by a third within hours. Measured on this project's 2-core Zen 3
-VM, the same qpipe commit served SmolLM2 offline at concurrency 32 at 124 output tok/s one day and
-80-95 the next, while its fp32 GEMM fell from ~120 to ~80-90 GFLOP/s. Throughput figures taken
-minutes or days apart can only be compared with the machine's speed beside them.
+Why: on a shared VM both drift by up to a third between days. On this project's 2-core Zen 3 VM
+the same qpipe commit served SmolLM2 offline at concurrency 32 at 124 output tok/s one day and at
+80-96 the next, when torch's fp32 GEMM ran at 78-93 GFLOP/s (the day before, a profile had the
+model's GEMMs at 110-120). Figures taken apart can only be compared with the machine's speed
+beside them.
 """
 
 from __future__ import annotations
