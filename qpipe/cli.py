@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from qpipe.console import console, out
 from qpipe.recipe import Recipe, RecipeError, load_recipe, recipe_schema
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -36,11 +36,6 @@ def _register_area_commands() -> None:
     app.add_typer(bench_app, name="bench")
     app.add_typer(registry_app, name="registry")
 
-
-# NOTE: CI logs are not terminals; rich would wrap tables at 80 columns and split the paths.
-_WIDTH = None if sys.stdout.isatty() else 200
-console = Console(stderr=True, width=_WIDTH)
-out = Console(width=_WIDTH)
 
 StoreOption = Annotated[
     str | None,

@@ -268,9 +268,7 @@ def test_cli_writes_results_plots_and_history(server: ScriptedServer, tmp_path: 
     }
     assert all(r.hardware == "test-box" and not r.accepted for r in rows)
     listing = CliRunner().invoke(
-        bench_app,
-        ["history", "scripted", "--store", str(tmp_path / "store")],
-        env={"COLUMNS": "200"},
+        bench_app, ["history", "scripted", "--store", str(tmp_path / "store")]
     )
     assert listing.exit_code == 0 and listing.output.count("test-box") == 2
 

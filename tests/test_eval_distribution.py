@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from qpipe.stages.base import StageContext
 from qpipe.stages.evaluate import EvaluateStage
 from qpipe.store.local import LocalStore
 from tests.conftest import TEST_CACHE
+from tests.model_cache import built_once
 
 pytestmark = pytest.mark.slow
 
@@ -25,26 +25,24 @@ SMALL = {"max_tokens": 1024, "window": 256, "batch_size": 2, "bootstrap_iteratio
 
 def int8_checkpoint(source: Path) -> Path:
     """SmolLM2 with int8 per-channel weights (RTN via llm-compressor), in compressed-tensors."""
-    out = TEST_CACHE / "smollm2-135m-w8-channel"
-    if (out / "model.safetensors").exists():
-        return out
-    import torch
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
-    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
-    modifier = QuantizationModifier(
-        config_groups={"int8": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"]
-    )
-    oneshot(model=model, recipe=modifier)
-    tmp = out.with_suffix(".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, save_compressed=True)
-    AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
-    tmp.rename(out)
-    return out
+    def build(tmp: Path) -> None:
+        import torch
+        from llmcompressor import oneshot
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+        weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+        modifier = QuantizationModifier(
+            config_groups={"int8": {"targets": ["Linear"], "weights": weights}},
+            ignore=["lm_head"],
+        )
+        oneshot(model=model, recipe=modifier)
+        model.save_pretrained(tmp, save_compressed=True)
+        AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
+
+    return built_once(TEST_CACHE / "smollm2-135m-w8-channel", build)
 
 
 def damaged_checkpoint(source: Path, out: Path) -> Path:

@@ -6,7 +6,6 @@ itself."""
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from qpipe.serve.config import EngineConfig
 from qpipe.serve.engine import LLMEngine
 from qpipe.serve.sampling_params import SamplingParams
 from tests.conftest import TEST_CACHE
+from tests.model_cache import built_once
 
 pytestmark = pytest.mark.slow
 
@@ -33,28 +33,25 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 def compressed_checkpoint(source: Path, scheme: str) -> Path:
     """Data-free llm-compressor quantization (RTN weights; W8A8's activations are dynamic)."""
-    out = TEST_CACHE / f"smollm2-{scheme.lower()}-ct"
-    if (out / "model.safetensors").exists():
-        return out
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    if scheme == "W4A16":  # SmolLM2's 576 hidden size is not a multiple of the usual 128 group
-        weights = QuantizationArgs(num_bits=4, strategy="group", group_size=64, symmetric=True)
-        groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
-        recipe = QuantizationModifier(config_groups=groups, ignore=["lm_head"])
-    else:
-        recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
-    oneshot(model=model, recipe=recipe)
-    tmp = out.with_suffix(".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, save_compressed=True)
-    AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
-    tmp.rename(out)
-    return out
+    def build(tmp: Path) -> None:
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+        from llmcompressor import oneshot
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        if scheme == "W4A16":  # SmolLM2's 576 hidden size is not a multiple of the usual 128 group
+            weights = QuantizationArgs(num_bits=4, strategy="group", group_size=64, symmetric=True)
+            groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
+            recipe = QuantizationModifier(config_groups=groups, ignore=["lm_head"])
+        else:
+            recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
+        oneshot(model=model, recipe=recipe)
+        model.save_pretrained(tmp, save_compressed=True)
+        AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
+
+    return built_once(TEST_CACHE / f"smollm2-{scheme.lower()}-ct", build)
 
 
 def teacher_forced_logits(

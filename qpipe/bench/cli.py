@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from qpipe.bench.config import LoadProfile
+from qpipe.console import console, out
 
 if TYPE_CHECKING:
     from qpipe.bench.client import Target
@@ -22,7 +22,6 @@ bench_app = typer.Typer(
     no_args_is_help=False,
     help="Benchmark an OpenAI-compatible endpoint (vLLM `bench serve` figures); history; compare.",
 )
-console = Console()
 
 StoreOption = Annotated[
     Path | None,
@@ -84,7 +83,7 @@ def bench(
     if ctx.invoked_subcommand is not None:
         return
     if endpoint is None:
-        console.print(ctx.get_help())
+        out.print(ctx.get_help())
         raise typer.Exit(2)
     import asyncio
 
@@ -133,12 +132,12 @@ def bench(
         print_level(level)
     if result_file is not None:
         write_results(result_file, results, target, options, tokenizer)
-        console.print(f"results: {result_file}")
+        out.print(f"results: {result_file}")
     if plot_dir is not None:
         from qpipe.bench.plots import write_plots
 
         for path in write_plots(results, plot_dir):
-            console.print(f"plot: {path}")
+            out.print(f"plot: {path}")
     if record:
         from qpipe.bench.history import History, hardware_string, history_path
 
@@ -151,7 +150,7 @@ def bench(
             for lv in results
         ]
         state = "accepted baseline" if accept else "recorded"
-        console.print(f"{state}: runs {', '.join(map(str, ids))} in {history.path}")
+        out.print(f"{state}: runs {', '.join(map(str, ids))} in {history.path}")
 
 
 def write_results(
@@ -201,7 +200,7 @@ def print_level(level: LevelResult) -> None:
             table.add_row(name, f"{value:.2f}" if isinstance(value, float) else str(value))
     for reason, count in level.metrics.failed_reasons.items():
         table.add_row(f"[red]failed: {reason}", str(count))
-    console.print(table)
+    out.print(table)
 
 
 @bench_app.command()
@@ -242,7 +241,7 @@ def history(
             str(m.get("failed", 0)),
             "yes" if row.accepted else "",
         )
-    console.print(table)
+    out.print(table)
 
 
 @bench_app.command()
@@ -283,17 +282,17 @@ def compare(
         result = compare_run(hist, row, band)
         head = f"run {row.id} [{row.alias} | {row.hardware} | {row.profile}]"
         if result.baseline is None:
-            console.print(f"{head}: no accepted baseline yet")
+            out.print(f"{head}: no accepted baseline yet")
         elif result.regressed:
             regressed = True
-            console.print(f"[red]{head}: REGRESSION vs run {result.baseline.id}")
+            out.print(f"[red]{head}: REGRESSION vs run {result.baseline.id}")
             for line in result.describe():
-                console.print(f"  {line}")
+                out.print(f"  {line}")
         else:
-            console.print(f"[green]{head}: within noise of run {result.baseline.id}")
+            out.print(f"[green]{head}: within noise of run {result.baseline.id}")
         if accept and not result.regressed:
             hist.accept(row.id)
-            console.print(f"  accepted run {row.id}")
+            out.print(f"  accepted run {row.id}")
     if regressed:
         raise typer.Exit(1)
 

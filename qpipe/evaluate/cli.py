@@ -95,8 +95,9 @@ def eval_command(
 
 
 def _print_table(report: EvalReport) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from qpipe.console import out
 
     table = Table("metric", "baseline", "candidate", "drop", "interval", "p", "verdict")
     for c in report.comparisons:
@@ -111,7 +112,6 @@ def _print_table(report: EvalReport) -> None:
             p,
             c.verdict,
         )
-    console = Console()
-    console.print(table)
+    out.print(table)
     for note in report.notes:
-        console.print(f"note: {note}")
+        out.print(f"note: {note}")

@@ -106,9 +106,10 @@ def distribution_pass(
     baseline: ModelRef, candidate: ModelRef, config: EvaluateConfig, text_file: Path
 ) -> DistributionStats:
     import torch
-    from rich.console import Console
     from rich.progress import track
     from transformers import AutoTokenizer
+
+    from qpipe.console import console
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(baseline.path)
@@ -129,7 +130,7 @@ def distribution_pass(
             batches,
             description=f"KLD over {windows.numel()} tokens",
             transient=True,
-            console=Console(stderr=True),
+            console=console,
         ),
     )
     del models

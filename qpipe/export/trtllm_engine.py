@@ -95,12 +95,12 @@ def build_engine(
     world_size: int,
 ) -> list[Path]:
     """Run trtllm-build; return the rank{N}.engine files (EngineBuildError if any is missing)."""
-    from rich.console import Console
+    from qpipe.console import console
 
     output.mkdir(parents=True, exist_ok=True)
     argv = trtllm_build_argv(toolchain.executable, checkpoint, output, cfg, world_size)
     log = output / "build.log"
-    with Console(stderr=True).status(f"trtllm-build ({world_size} rank(s))"), log.open("w") as f:
+    with console.status(f"trtllm-build ({world_size} rank(s))"), log.open("w") as f:
         returncode = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT).returncode
     engines = [output / f"rank{r}.engine" for r in range(world_size)]
     missing = [e.name for e in engines if not e.is_file()]

@@ -53,8 +53,7 @@ def sensitivity(
     ] = None,
 ) -> None:
     """Quantize one decoder block at a time (RTN proxy of the recipe's scheme) and rank them."""
-    from rich.console import Console
-
+    from qpipe.console import out as results
     from qpipe.quant.progress import stage_progress
     from qpipe.quant.sensitivity import run_sensitivity
     from qpipe.recipe import RecipeError, load_recipe
@@ -72,7 +71,6 @@ def sensitivity(
             )
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from exc
-    console = Console()
-    console.print(report.table())
-    console.print(f"wrote {out / 'sensitivity.md'}, {out / 'sensitivity.json'}, "
+    results.print(report.table())
+    results.print(f"wrote {out / 'sensitivity.md'}, {out / 'sensitivity.json'}, "
                   f"{out / 'sensitivity.png'}")  # fmt: skip

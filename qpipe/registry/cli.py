@@ -7,17 +7,15 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from qpipe.console import console, out
 from qpipe.registry.registry import Registry, RegistryError, parse_ref
 from qpipe.store.base import StoreError
 
 registry_app = typer.Typer(
     no_args_is_help=True, help="Published artifacts: list, inspect, pull one verified artifact."
 )
-console = Console(stderr=True)
-out = Console()
 
 StoreOption = Annotated[
     str | None,

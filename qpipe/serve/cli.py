@@ -79,9 +79,9 @@ def serve(
 ) -> None:
     """Serve a checkpoint with qpipe's paged-attention engine (OpenAI-compatible API)."""
     import uvicorn
-    from rich.console import Console
     from rich.logging import RichHandler
 
+    from qpipe.console import console
     from qpipe.serve.api import ServerSettings, build_app
     from qpipe.serve.async_engine import AsyncLLMEngine
     from qpipe.serve.config import EngineConfig
@@ -91,7 +91,6 @@ def serve(
 
     path = resolve_model_path(model, store)
     name = served_model_name or (model if path.name == "qpipe" else path.name)
-    console = Console(stderr=True)
     # the engine logs its KV-cache size (blocks, max concurrency at max_model_len) at INFO
     logging.basicConfig(
         level=logging.INFO, format="%(message)s", handlers=[RichHandler(console=console)]
