@@ -21,11 +21,14 @@ PROMPT_LEN, OUTPUT_LEN = 128, 64
 
 
 def weight_bytes(checkpoint: Path) -> int:
+    """Bytes of weights a step reads: fp8 weights as stored, everything else served in bf16."""
     total = 0
     for path in checkpoint.glob("*.safetensors"):
         with safe_open(path, "pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                total += math.prod(f.get_slice(name).get_shape()) * 2  # served in bf16
+                part = f.get_slice(name)
+                size = 1 if part.get_dtype().startswith("F8") else 2
+                total += math.prod(part.get_shape()) * size
     return total
 
 
@@ -42,7 +45,7 @@ def main() -> None:
     mean_context = PROMPT_LEN + OUTPUT_LEN / 2
     rows = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
     print(
-        f"weights {weights / 1e6:.0f} MB (bf16), K/V {kv_per_token / 1e3:.1f} kB per token; "
+        f"weights {weights / 1e6:.0f} MB, K/V {kv_per_token / 1e3:.1f} kB per token; "
         f"floor = (weights + running x {mean_context:.0f} tokens of K/V) / "
         f"{args.bandwidth_tb_s} TB/s\n"
     )

@@ -15,10 +15,12 @@ cat "$out/env.txt"
 $py bench/serve_gpu/random_weights.py .device_model /tmp/smollm2-bf16 --dtype bfloat16 || exit 1
 mkdir -p /tmp/qcache
 $py bench/serve_gpu/random_weights.py .device_model /tmp/qcache/smollm2-135m-fp32 --dtype float32 || exit 1
+$py bench/serve_gpu/random_weights.py .device_model /tmp/smollm2-fp8 --fp8 || exit 1
 
-# correctness on the GPU first: CUDA-graph replay vs eager (and the CPU-side tests of the same file)
+# correctness on the GPU first: CUDA-graph replay vs eager, fp8 tensor cores vs exact fp8
+# products (and the CPU-side tests of the same files)
 QPIPE_TEST_CACHE=/tmp/qcache timeout 180 $py -m pytest -q -p no:cacheprovider \
-  tests/test_decode_graphs.py 2>&1 | tee "$out/tests.txt"
+  tests/test_decode_graphs.py tests/test_fp8_linear.py 2>&1 | tee "$out/tests.txt"
 
 # throughput: issue 6's load (128 in, 64 out, greedy), bf16, graphs on; eager at three points
 for c in 1 8 32 64 128 256; do
@@ -30,3 +32,10 @@ for c in 1 32 256; do
     --dtype bfloat16 --concurrency "$c" --enforce-eager --json "$out/results.jsonl"
 done
 $py bench/serve_gpu/report.py "$out/results.jsonl" /tmp/smollm2-bf16 | tee "$out/table.md"
+
+# the FP8_DYNAMIC layout on fp8 tensor cores (torch._scaled_mm), graphs on, last: it may not fit
+for c in 32 256; do
+  timeout 60 $py bench/serve_engine/throughput.py /tmp/smollm2-fp8 --device cuda \
+    --dtype bfloat16 --concurrency "$c" --json "$out/results-fp8.jsonl"
+done
+$py bench/serve_gpu/report.py "$out/results-fp8.jsonl" /tmp/smollm2-fp8 | tee "$out/table-fp8.md"

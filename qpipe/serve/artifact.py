@@ -39,7 +39,7 @@ TOKENIZER_FILES = (
 class ArtifactWeights:
     """A `WeightSource` over a qpipe artifact."""
 
-    def __init__(self, path: Path, dtype: torch.dtype) -> None:
+    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device) -> None:
         from safetensors.torch import load_file
 
         meta = json.loads((path / ARTIFACT_MARKER).read_text())
@@ -50,6 +50,7 @@ class ArtifactWeights:
             )
         self.linears: dict[str, str] = meta["linears"]
         self.dtype = dtype
+        self.device = device
         self.tensors = load_file(path / "model.safetensors")
 
     def has(self, name: str) -> bool:
@@ -64,7 +65,7 @@ class ArtifactWeights:
         state = {k[len(prefix) :]: t for k, t in self.tensors.items() if k.startswith(prefix)}
         if kind == "dense":
             state = {k: t.to(self.dtype) for k, t in state.items()}
-        return LINEAR_KINDS[kind].from_state(state).prepare_for(self.dtype)
+        return LINEAR_KINDS[kind].from_state(state).prepare_for(self.dtype, self.device)
 
 
 class RecordingWeights:
@@ -100,7 +101,7 @@ def write_artifact(checkpoint_dir: Path, out_dir: Path, dtype: str = "float32") 
     config = read_config_json(checkpoint_dir)
     quantization = QuantizationConfig(config.get("quantization_config"))
     weights = RecordingWeights(
-        CheckpointWeights(checkpoint_dir, quantization, getattr(torch, dtype))
+        CheckpointWeights(checkpoint_dir, quantization, getattr(torch, dtype), torch.device("cpu"))
     )
     LlamaForCausalLM(AutoConfig.from_pretrained(checkpoint_dir), weights, max_positions=1)
     tensors = {name: t.contiguous() for name, t in weights.tensors.items()}

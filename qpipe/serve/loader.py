@@ -78,13 +78,20 @@ class QuantizationConfig:
 class CheckpointWeights:
     """A `WeightSource` over an HF checkpoint directory (one or more *.safetensors files)."""
 
-    def __init__(self, path: Path, quantization: QuantizationConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        path: Path,
+        quantization: QuantizationConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(
                 f"{path}: no *.safetensors files; convert the model first (qpipe convert)"
             )
         self.dtype = dtype
+        self.device = device
         self.quantization = quantization
         self._where: dict[str, Path] = {}
         for file in files:
@@ -127,7 +134,7 @@ class CheckpointWeights:
             # one input feeds every fused part: their calibrated scales agree, the largest is kept
             input_scales = [p["input_scale"] for p in loaded if p.get("input_scale") is not None]
             input_scale = torch.stack(input_scales).max().reshape(1) if input_scales else None
-            return Fp8Linear(weight, scale, input_scale, bias).prepare_for(self.dtype)
+            return Fp8Linear(weight, scale, input_scale, bias).prepare_for(self.dtype, self.device)
         zero = None
         if any(p.get("weight_zero_point") is not None for p in loaded):
             zero = torch.cat(
@@ -214,11 +221,12 @@ def load_model(path: Path, dtype: torch.dtype, device: str, max_positions: int) 
     from qpipe.serve.models.llama import LlamaForCausalLM
 
     hf_config = AutoConfig.from_pretrained(path)
+    target = torch.device(device)
     if (path / ARTIFACT_MARKER).is_file():
-        weights = ArtifactWeights(path, dtype)
+        weights = ArtifactWeights(path, dtype, target)
     else:
-        raw = read_config_json(path)
-        weights = CheckpointWeights(path, QuantizationConfig(raw.get("quantization_config")), dtype)
+        quantization = QuantizationConfig(read_config_json(path).get("quantization_config"))
+        weights = CheckpointWeights(path, quantization, dtype, target)
     with torch.device("cpu"):
         model = LlamaForCausalLM(hf_config, weights, max_positions)
     return model.to(device).eval()
