@@ -18,9 +18,10 @@ $py bench/serve_gpu/random_weights.py .device_model /tmp/qcache/smollm2-135m-fp3
 $py bench/serve_gpu/random_weights.py .device_model /tmp/smollm2-fp8 --fp8 || exit 1
 
 # correctness on the GPU first: CUDA-graph replay vs eager, fp8 tensor cores vs exact fp8
-# products (and the CPU-side tests of the same files)
+# products, the weight-only Triton kernel vs the eager layer (and the CPU-side tests of the files)
 QPIPE_TEST_CACHE=/tmp/qcache timeout 180 $py -m pytest -q -p no:cacheprovider \
-  tests/test_decode_graphs.py tests/test_fp8_linear.py 2>&1 | tee "$out/tests.txt"
+  tests/test_decode_graphs.py tests/test_fp8_linear.py tests/test_triton_weight_only.py \
+  2>&1 | tee "$out/tests.txt"
 
 # throughput: issue 6's load (128 in, 64 out, greedy), bf16, graphs on; eager at three points
 for c in 1 8 32 64 128 256; do

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qpipe.serve.layers import cpu_kernels
+from qpipe.serve.layers import cpu_kernels, triton_weight_only
 
 log = logging.getLogger(__name__)
 
@@ -399,8 +399,10 @@ class WeightOnlyLinear(LinearBase):
     the product, so the weight is read at one byte per value and never written out in fp32
     (measured on a Zen 3, SmolLM2 W4A16: 166 -> 40 ms per token at concurrency 1 against the eager
     expansion); only bf16 inputs of more than 32 rows (prefill where bf16 GEMMs are fast) expand
-    it once per call in one parallel pass and run one GEMM. Elsewhere (GPU, or without the
-    kernels) the weight is expanded in torch on each call."""
+    it once per call in one parallel pass and run one GEMM. On GPU a Triton kernel
+    (`triton_weight_only`) likewise dequantizes one tile of the weight at a time in registers.
+    Elsewhere (no kernels, or groups the kernel does not take) the weight is expanded in torch
+    on each call."""
 
     kind = "weight_only"
     optional_buffers = ("bias", "weight_zero_point")
@@ -456,6 +458,12 @@ class WeightOnlyLinear(LinearBase):
         return w.view(out_features, in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.packed is None:
+            in_features, groups = self.weight.shape[1], self.weight_scale.shape[1]
+            if triton_weight_only.fits(in_features, in_features // groups):
+                return triton_weight_only.linear(
+                    x, self.weight, self.weight_scale, self.weight_zero_point, self.bias
+                )
         x2 = x.reshape(-1, x.shape[-1])
         if self.packed is None or not (cpu_kernels.usable(x2) and x2.stride(-1) == 1):
             return F.linear(x, self.dequantized(x.dtype), self.bias)
