@@ -4,10 +4,6 @@ child process with TRITON_INTERPRET=1 (this file is also that child's script).""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import torch
 import torch.nn.functional as F
 
@@ -57,12 +53,10 @@ def _compare_in_interpreter() -> None:
 
 
 def test_triton_decode_attention_equals_sdpa_in_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.count("ok ") == 2 * len(CASES), done.stdout
+    from tests.triton_interpreter import run_interpreted  # not in the child, which runs this file
+
+    stdout = run_interpreted(__file__)
+    assert stdout.count("ok ") == 2 * len(CASES), stdout
 
 
 def test_kernel_sizes_it_takes() -> None:
