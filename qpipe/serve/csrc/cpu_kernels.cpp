@@ -330,9 +330,10 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
 
 // Dynamic per-token int8 quantization of one row with compressed-tensors' rule (scale =
 // absmax / 127.5, round half to even, clamp to [-128, 127]) so results match what llm-compressor
-// calibrated against; returns the scale.
-template <typename S>
-float quantize_row(int8_t* __restrict__ dst, const S* __restrict__ row, int64_t n) {
+// calibrated against; returns the scale. D: int8_t, or float for the int8 values as floats (the
+// input of the fp32 products on CPUs without VNNI).
+template <typename D, typename S>
+float quantize_row(D* __restrict__ dst, const S* __restrict__ row, int64_t n) {
   float top = 0.f;
 #pragma omp simd reduction(max : top)
   for (int64_t i = 0; i < n; ++i) top = std::max(top, std::fabs(ld(row + i)));
@@ -340,9 +341,23 @@ float quantize_row(int8_t* __restrict__ dst, const S* __restrict__ row, int64_t 
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float v = std::nearbyint(ld(row + i) / s);
-    dst[i] = static_cast<int8_t>(std::min(std::max(v, -128.f), 127.f));
+    dst[i] = static_cast<D>(std::min(std::max(v, -128.f), 127.f));
   }
   return s;
+}
+
+// quantize_row for every row of x into `out` (contiguous rows of D) and `scale`.
+template <typename D>
+void quantize_rows(D* out, float* scale, const at::Tensor& x) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  dispatch(x, "quantize_per_token_int8", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* in = ptr<T>(x);
+    const int64_t xs = x.stride(0);
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) scale[r] = quantize_row(out + r * n, in + r * xs, n);
+    });
+  });
 }
 
 // W8A8 activation quantization, one pass for the absmax and one to quantize per row, instead of
@@ -352,17 +367,7 @@ void quantize_per_token_int8(at::Tensor& q, at::Tensor& scales, const at::Tensor
   TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous(), "q must be contiguous int8");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(),
               "scales must be contiguous float32");
-  const int64_t rows = x.size(0), n = x.size(1);
-  dispatch(x, "quantize_per_token_int8", [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    const T* in = ptr<T>(x);
-    int8_t* out = q.data_ptr<int8_t>();
-    float* scale = scales.data_ptr<float>();
-    const int64_t xs = x.stride(0);
-    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) scale[r] = quantize_row(out + r * n, in + r * xs, n);
-    });
-  });
+  quantize_rows(q.data_ptr<int8_t>(), scales.data_ptr<float>(), x);
 }
 
 // v's bits as another type of the same size (std::bit_cast is C++20), and the unsigned type of a
@@ -482,120 +487,6 @@ void scale_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& row_scal
   });
 }
 
-at::Tensor weight_only_product(const at::Tensor& x, const at::Tensor& weight,
-                               const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
-                               const c10::optional<at::Tensor>& bias, int64_t out_features);
-
-// (q @ w.T) * weight_scale in fp32: oneDNN's int8 GEMM on a packed int8 weight. On a CPU without
-// VNNI, where that GEMM saturates (Int8Linear.pack_for_cpu), the products are taken in fp32 over
-// the int8 values instead: the int8 weight in the weight-only kernels' tiles, read with unit
-// scales (one byte per weight, no fp32 copy), or, where the layer was packed without them, an
-// fp32 copy of the values, oneDNN's GEMM on a packed one or torch's on a plain one. Exact in every
-// form: the sums are integers below 2^24.
-at::Tensor int8_product(const at::Tensor& q, const at::Tensor& packed_weight,
-                        const at::Tensor& weight_scale, const at::Tensor& zero_points) {
-  if (packed_weight.scalar_type() == at::kChar && !packed_weight.is_mkldnn()) {
-    const at::Tensor values = q.to(at::kFloat);
-    const at::Tensor unit = at::ones({packed_weight.size(0), 1, packed_weight.size(2)},
-                                     values.options());
-    return weight_only_product(values, packed_weight, unit, c10::nullopt, c10::nullopt,
-                               weight_scale.numel())
-        .mul_(weight_scale);
-  }
-  if (packed_weight.scalar_type() == at::kFloat) {
-    static const c10::OperatorHandle linear =
-        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-    const at::Tensor values = q.to(at::kFloat);
-    if (!packed_weight.is_mkldnn()) return at::mm(values, packed_weight.t()).mul_(weight_scale);
-    torch::jit::Stack stack{values, packed_weight, c10::IValue(), "none",
-                            c10::List<c10::optional<at::Scalar>>(), ""};
-    linear.callBoxed(&stack);
-    return stack.back().toTensor().mul_(weight_scale);
-  }
-  static const c10::OperatorHandle qlinear =
-      c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
-  torch::jit::Stack stack{q,      1.0,     int64_t{0}, packed_weight,       weight_scale,
-                          zero_points, c10::IValue(), 1.0, int64_t{0}, at::ScalarType::Float,
-                          "none", c10::List<c10::optional<at::Scalar>>(), ""};
-  qlinear.callBoxed(&stack);
-  return stack.back().toTensor();
-}
-
-std::pair<at::Tensor, at::Tensor> quantized(const at::Tensor& x) {
-  const int64_t rows = x.size(0);
-  at::Tensor q = at::empty({rows, x.size(1)}, x.options().dtype(at::kChar));
-  at::Tensor scales = at::empty({rows}, x.options().dtype(at::kFloat));
-  quantize_per_token_int8(q, scales, x);
-  return {q, scales};
-}
-
-// The whole W8A8 layer in one op: quantize per token, oneDNN's int8 GEMM on the packed weight
-// (per-channel weight scales applied in fp32 inside it), then the per-token scale and bias. At
-// decode sizes the three steps take ~10 us each; as three Python-level calls the dispatch and
-// allocation around them cost about as much again.
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed_weight,
-                       const at::Tensor& weight_scale, const at::Tensor& zero_points,
-                       const c10::optional<at::Tensor>& bias) {
-  check_rows(x, "x");
-  const auto [q, scales] = quantized(x);
-  const at::Tensor product = int8_product(q, packed_weight, weight_scale, zero_points);
-  at::Tensor out = at::empty({x.size(0), product.size(1)}, x.options());
-  scale_rows(out, product, scales, bias);
-  return out;
-}
-
-// gate_up's epilogue, the activation and down's quantization in one pass per row: the fp32
-// product [gate | up] times the row's scale, rounded to T as the unfused layer's output is,
-// silu(gate) * up with the roundings of `silu_and_mul`, then quantized per token. Bit for bit the
-// unfused sequence, without its two full-size intermediate tensors.
-template <typename T>
-void silu_and_mul_quantize(at::Tensor& q, at::Tensor& scales, const at::Tensor& product,
-                           const at::Tensor& row_scales) {
-  const int64_t rows = product.size(0), n = product.size(1) / 2;
-  const float* in = product.data_ptr<float>();
-  const float* rs = row_scales.data_ptr<float>();
-  int8_t* out = q.data_ptr<int8_t>();
-  float* scale = scales.data_ptr<float>();
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> act(n);
-    float* __restrict__ a = act.data();
-    for (int64_t r = begin; r < end; ++r) {
-      const float* __restrict__ g = in + r * 2 * n;
-      const float s = rs[r];
-      for_lanes(n, [&](int64_t i, auto lane) {
-        using V = decltype(lane);
-        const V gate = rnd<T>(load<V>(g + i) * s), up = rnd<T>(load<V>(g + n + i) * s);
-        st(a + i, rnd<T>(rnd<T>(silu(gate)) * up));
-      });
-      scale[r] = quantize_row(out + r * n, a, n);
-    }
-  });
-}
-
-// A gated MLP whose two projections are packed W8A8 layers without a gate_up bias (the Llama
-// family): down(silu(gate) * up) with one quantization and one epilogue pass fewer than two
-// `int8_linear` calls around `silu_and_mul`, and the same result.
-at::Tensor int8_gated_mlp(const at::Tensor& x, const at::Tensor& gate_up_weight,
-                          const at::Tensor& gate_up_scale, const at::Tensor& gate_up_zero_points,
-                          const at::Tensor& down_weight, const at::Tensor& down_scale,
-                          const at::Tensor& down_zero_points,
-                          const c10::optional<at::Tensor>& down_bias) {
-  check_rows(x, "x");
-  const auto [q, scales] = quantized(x);
-  const at::Tensor gate_up = int8_product(q, gate_up_weight, gate_up_scale, gate_up_zero_points);
-  const int64_t rows = x.size(0), n = gate_up.size(1) / 2;
-  at::Tensor act_q = at::empty({rows, n}, x.options().dtype(at::kChar));
-  at::Tensor act_scales = at::empty({rows}, x.options().dtype(at::kFloat));
-  dispatch(x, "int8_gated_mlp", [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    silu_and_mul_quantize<T>(act_q, act_scales, gate_up, scales);
-  });
-  const at::Tensor down = int8_product(act_q, down_weight, down_scale, down_zero_points);
-  at::Tensor out = at::empty({rows, down.size(1)}, x.options());
-  scale_rows(out, down, act_scales, down_bias);
-  return out;
-}
-
 // Weight-only quantized linear (int4 or int8 values kept one per byte, per-group fp32 scales and
 // optional zero points; AWQ, GPTQ and qpipe's int4-wo/int8-wo outputs, and W8A8 on CPUs without
 // VNNI): out = x @ dequant(w).T. The eager path expands the whole weight to the model dtype on
@@ -639,13 +530,19 @@ inline vfloat widen_int8(const int8_t* p) {
   return out;
 }
 
+// A tile's scale vector v of group g; a null `scales` stands for ones (W8A8's int8 values, whose
+// products are summed exactly and scaled after).
+inline vfloat tile_scale(const float* scales, int64_t g, int64_t v) {
+  return scales != nullptr ? loadv(scales + g * kTile + v * kLanes) : vfloat{} + 1.f;
+}
+
 // One tile's weight as (q - zero) * scale in fp32, the eager path's expansion value for value,
 // written as rows of kTile values (row i at dst + i * stride).
 void expand_tile(float* dst, int64_t stride, const int8_t* q, const float* scales,
                  const float* zeros, int64_t k, int64_t group) {
   for (int64_t g = 0; g < k / group; ++g) {
     for (int64_t v = 0; v < kTileVecs; ++v) {
-      const vfloat s = loadv(scales + g * kTile + v * kLanes);
+      const vfloat s = tile_scale(scales, g, v);
       const vfloat z = zeros != nullptr ? loadv(zeros + g * kTile + v * kLanes) : vfloat{};
       for (int64_t i = g * group; i < (g + 1) * group; ++i) {
         st(dst + i * stride + v * kLanes, (widen_int8(q + i * kTile + v * kLanes) - z) * s);
@@ -702,7 +599,7 @@ void direct_block(float* sums, const float* x, int64_t k, const int8_t* q, const
   for (int64_t g = 0; g < k / group; ++g) {
     vfloat s[kTileVecs], z[kTileVecs];
     for (int64_t v = 0; v < kTileVecs; ++v) {
-      s[v] = loadv(scales + g * kTile + v * kLanes);
+      s[v] = tile_scale(scales, g, v);
       z[v] = zeros != nullptr ? loadv(zeros + g * kTile + v * kLanes) : vfloat{};
     }
     for (int64_t i = g * group; i < (g + 1) * group; ++i) {
@@ -733,39 +630,58 @@ void with_block_rows(int64_t count, Body&& body) {
   }
 }
 
+// What a product does to its sums before the bias: W8A8 on CPUs without VNNI sums the int8
+// values' products exactly, then scales them per output feature (the weight's scales) and per row
+// (the tokens'), in that order, as the unfused `.mul_(weight_scale)` and `scale_rows` did.
+struct Epilogue {
+  const float* col_scale = nullptr;  // [out_features], or none
+  const float* row_scale = nullptr;  // [rows], or none
+};
+
+template <typename V>
+inline V scaled(V sum, const Epilogue& e, const V& col_scale, int64_t row) {
+  if (e.col_scale != nullptr) sum = sum * col_scale;
+  if (e.row_scale != nullptr) sum = sum * e.row_scale[row];
+  return sum;
+}
+
 // Rows [r, r + count) of one tile's output, columns [first, first + cols) of `o` (row stride n),
-// from `sums` (kTile per row) plus the bias. A whole tile's columns go a vector at a time: one
-// element at a time cost ~5 % of the GEMM at 32-512 rows on a Zen 3 (+4 % offline at c=32).
-template <typename T>
-void store_tile_rows(T* o, int64_t n, const T* b, int64_t first, int64_t cols, const float* sums,
-                     int64_t r, int64_t count) {
+// from `sums` (kTile per row) through the epilogue plus the bias. A whole tile's columns go a
+// vector at a time: one element at a time cost ~5 % of the GEMM at 32-512 rows on a Zen 3 (+4 %
+// offline at c=32).
+template <typename T, typename B>
+void store_tile_rows(T* o, int64_t n, const B* b, int64_t first, int64_t cols, const float* sums,
+                     int64_t r, int64_t count, const Epilogue& e) {
   for (int64_t i = 0; i < count; ++i) {
     if (cols == kTile) {
       for (int64_t v = 0; v < kTileVecs; ++v) {
-        const vfloat add = b != nullptr ? loadv(b + first + v * kLanes) : vfloat{};
-        st(o + (r + i) * n + first + v * kLanes, loadv(sums + i * kTile + v * kLanes) + add);
+        const int64_t c = first + v * kLanes;
+        const vfloat add = b != nullptr ? loadv(b + c) : vfloat{};
+        const vfloat col = e.col_scale != nullptr ? loadv(e.col_scale + c) : vfloat{};
+        st(o + (r + i) * n + c, scaled(loadv(sums + i * kTile + v * kLanes), e, col, r + i) + add);
       }
       continue;
     }
-    for (int64_t c = 0; c < cols; ++c) {
-      const float add = b != nullptr ? ld(b + first + c) : 0.f;
-      st(o + (r + i) * n + first + c, sums[i * kTile + c] + add);
+    for (int64_t c = first; c < first + cols; ++c) {
+      const float add = b != nullptr ? ld(b + c) : 0.f;
+      const float col = e.col_scale != nullptr ? e.col_scale[c] : 0.f;
+      st(o + (r + i) * n + c, scaled(sums[i * kTile + c - first], e, col, r + i) + add);
     }
   }
 }
 
 // One tile's output for all `rows` of x (row stride k): every block of kBlockRows rows against
 // the tile's fp32 panel [k, kTile].
-template <typename T>
-void panel_rows(T* o, int64_t n, const T* b, int64_t first, int64_t cols, const float* xs,
-                int64_t rows, int64_t k, const float* panel) {
+template <typename T, typename B>
+void panel_rows(T* o, int64_t n, const B* b, int64_t first, int64_t cols, const float* xs,
+                int64_t rows, int64_t k, const float* panel, const Epilogue& e) {
   float sums[kBlockRows * kTile];
   for (int64_t r = 0; r < rows; r += kBlockRows) {
     const int64_t count = std::min<int64_t>(kBlockRows, rows - r);
     with_block_rows<kBlockRows>(count, [&](auto c) {
       panel_block<decltype(c)::value>(sums, xs + r * k, k, panel);
     });
-    store_tile_rows(o, n, b, first, cols, sums, r, count);
+    store_tile_rows(o, n, b, first, cols, sums, r, count, e);
   }
 }
 
@@ -827,6 +743,41 @@ at::Tensor weight_only_expand(const at::Tensor& weight, const at::Tensor& scales
   return out;
 }
 
+// o [rows, n] = x's fp32 rows (row stride k) times the tiled int8 weight (scales and zero points
+// per group and tile, or none: `tile_scale`), through the epilogue, plus the bias (of type B:
+// the output's, or fp32 for W8A8). The threads split the tiles.
+template <typename T, typename B>
+void tiles_product(T* o, const float* xs, int64_t rows, int64_t k, int64_t n, int64_t tiles,
+                   const int8_t* q, const float* s, const float* z, int64_t group, const B* b,
+                   const Epilogue& e) {
+  const int64_t tile_scales = k / group * kTile;
+  const bool direct = rows <= kDirectMaxRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel(direct ? 0 : k * kTile);
+    float sums[kDirectRows * kTile];
+    for (int64_t t = begin; t < end; ++t) {
+      // a thread's tiles are one contiguous stretch of the weight: fetch the next one
+      if (t + 1 < end) prefetch_bytes(q + (t + 1) * k * kTile, k * kTile);
+      const int8_t* q_tile = q + t * k * kTile;
+      const float* s_tile = s != nullptr ? s + t * tile_scales : nullptr;
+      const float* z_tile = z != nullptr ? z + t * tile_scales : nullptr;
+      const int64_t first = t * kTile, cols = std::min(kTile, n - first);
+      if (!direct) {
+        expand_tile(panel.data(), kTile, q_tile, s_tile, z_tile, k, group);
+        panel_rows(o, n, b, first, cols, xs, rows, k, panel.data(), e);
+        continue;
+      }
+      for (int64_t r = 0; r < rows; r += kDirectRows) {
+        const int64_t count = std::min<int64_t>(kDirectRows, rows - r);
+        with_block_rows<kDirectRows>(count, [&](auto c) {
+          direct_block<decltype(c)::value>(sums, xs + r * k, k, q_tile, s_tile, z_tile, group);
+        });
+        store_tile_rows(o, n, b, first, cols, sums, r, count, e);
+      }
+    }
+  });
+}
+
 at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
                               const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                               const c10::optional<at::Tensor>& bias, int64_t out_features) {
@@ -836,42 +787,14 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(weight.size(1) == k, "x and weight disagree on in_features");
   const bool has_zeros = zeros.has_value() && zeros->defined();
   const bool has_bias = has_bias_for(bias, x, n);
-  const int64_t group = k / scales.size(1), tile_scales = scales.size(1) * kTile;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({rows, n}, x.options());
   dispatch(x, "weight_only_linear", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const float* xs = xf.data_ptr<float>();
-    const int8_t* q = weight.data_ptr<int8_t>();
-    const float* s = scales.data_ptr<float>();
-    const float* z = has_zeros ? zeros->data_ptr<float>() : nullptr;
-    const T* b = has_bias ? ptr<T>(*bias) : nullptr;
-    T* o = ptr<T>(out);
-    const bool direct = rows <= kDirectMaxRows;
-    at::parallel_for(0, weight.size(0), 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> panel(direct ? 0 : k * kTile);
-      float sums[kDirectRows * kTile];
-      for (int64_t t = begin; t < end; ++t) {
-        // a thread's tiles are one contiguous stretch of the weight: fetch the next one
-        if (t + 1 < end) prefetch_bytes(q + (t + 1) * k * kTile, k * kTile);
-        const int8_t* q_tile = q + t * k * kTile;
-        const float* s_tile = s + t * tile_scales;
-        const float* z_tile = z != nullptr ? z + t * tile_scales : nullptr;
-        const int64_t first = t * kTile, cols = std::min(kTile, n - first);
-        if (!direct) {
-          expand_tile(panel.data(), kTile, q_tile, s_tile, z_tile, k, group);
-          panel_rows(o, n, b, first, cols, xs, rows, k, panel.data());
-          continue;
-        }
-        for (int64_t r = 0; r < rows; r += kDirectRows) {
-          const int64_t count = std::min<int64_t>(kDirectRows, rows - r);
-          with_block_rows<kDirectRows>(count, [&](auto c) {
-            direct_block<decltype(c)::value>(sums, xs + r * k, k, q_tile, s_tile, z_tile, group);
-          });
-          store_tile_rows(o, n, b, first, cols, sums, r, count);
-        }
-      }
-    });
+    tiles_product(ptr<T>(out), xf.data_ptr<float>(), rows, k, n, weight.size(0),
+                     weight.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                     has_zeros ? zeros->data_ptr<float>() : nullptr, k / scales.size(1),
+                     has_bias ? ptr<T>(*bias) : nullptr, Epilogue{});
   });
   return out;
 }
@@ -897,7 +820,8 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
   at::parallel_for(0, weight.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t first = t * kTile;
-      panel_rows(o, n, b, first, std::min(kTile, n - first), xs, rows, k, w + t * k * kTile);
+      panel_rows(o, n, b, first, std::min(kTile, n - first), xs, rows, k, w + t * k * kTile,
+                 Epilogue{});
     }
   });
   return out;
@@ -921,6 +845,155 @@ at::Tensor weight_only_product(const at::Tensor& x, const at::Tensor& weight,
       weight_only_expand(weight, scales, zeros, out_features).narrow(1, 0, out_features);
   const at::Tensor w = expanded.to(x.scalar_type());
   return bias.has_value() && bias->defined() ? at::addmm(*bias, x, w) : at::mm(x, w);
+}
+
+// Whether a packed W8A8 weight holds its int8 values in the weight-only kernels' tiles: on a CPU
+// without VNNI, where oneDNN's int8 GEMM saturates (Int8Linear.pack_for_cpu). Its products are
+// then taken in fp32 over the int8 values, read at one byte per weight with unit scales; exact,
+// as the sums are integers below 2^24. Its input is the activations' int8 values as floats.
+bool values_in_tiles(const at::Tensor& packed_weight) {
+  return packed_weight.scalar_type() == at::kChar && !packed_weight.is_mkldnn();
+}
+
+// x quantized per token: its int8 values (as floats for a weight in tiles) and their scales.
+std::pair<at::Tensor, at::Tensor> quantized(const at::Tensor& x, bool as_floats) {
+  const int64_t rows = x.size(0);
+  const at::ScalarType type = as_floats ? at::kFloat : at::kChar;
+  at::Tensor q = at::empty({rows, x.size(1)}, x.options().dtype(type));
+  at::Tensor scales = at::empty({rows}, x.options().dtype(at::kFloat));
+  if (as_floats) {
+    quantize_rows(q.data_ptr<float>(), scales.data_ptr<float>(), x);
+  } else {
+    quantize_rows(q.data_ptr<int8_t>(), scales.data_ptr<float>(), x);
+  }
+  return {q, scales};
+}
+
+// (q @ w.T) * weight_scale in fp32: oneDNN's int8 GEMM on a packed int8 weight; the tiles'
+// product with the weight scales in its epilogue (`values_in_tiles`); or, where the layer was
+// packed without the kernels, products over an fp32 copy of the values, oneDNN's GEMM on a packed
+// one or torch's on a plain one.
+at::Tensor int8_product(const at::Tensor& q, const at::Tensor& packed_weight,
+                        const at::Tensor& weight_scale, const at::Tensor& zero_points) {
+  if (values_in_tiles(packed_weight)) {
+    const int64_t rows = q.size(0), k = q.size(1), n = weight_scale.numel();
+    at::Tensor out = at::empty({rows, n}, q.options());
+    tiles_product(out.data_ptr<float>(), q.data_ptr<float>(), rows, k, n, packed_weight.size(0),
+                  packed_weight.data_ptr<int8_t>(), nullptr, nullptr, k,
+                  static_cast<const float*>(nullptr), Epilogue{weight_scale.data_ptr<float>()});
+    return out;
+  }
+  if (packed_weight.scalar_type() == at::kFloat) {
+    static const c10::OperatorHandle linear =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    const at::Tensor values = q.to(at::kFloat);
+    if (!packed_weight.is_mkldnn()) return at::mm(values, packed_weight.t()).mul_(weight_scale);
+    torch::jit::Stack stack{values, packed_weight, c10::IValue(), "none",
+                            c10::List<c10::optional<at::Scalar>>(), ""};
+    linear.callBoxed(&stack);
+    return stack.back().toTensor().mul_(weight_scale);
+  }
+  static const c10::OperatorHandle qlinear =
+      c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
+  torch::jit::Stack stack{q,      1.0,     int64_t{0}, packed_weight,       weight_scale,
+                          zero_points, c10::IValue(), 1.0, int64_t{0}, at::ScalarType::Float,
+                          "none", c10::List<c10::optional<at::Scalar>>(), ""};
+  qlinear.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+// out = int8_product(q) * row_scales + bias, rounded once to out's dtype (`scale_rows`); for a
+// weight in tiles all inside the product's epilogue, with the same roundings in the same order.
+void scaled_int8_product(at::Tensor& out, const at::Tensor& q, const at::Tensor& packed_weight,
+                         const at::Tensor& weight_scale, const at::Tensor& zero_points,
+                         const at::Tensor& row_scales, const c10::optional<at::Tensor>& bias) {
+  if (!values_in_tiles(packed_weight)) {
+    scale_rows(out, int8_product(q, packed_weight, weight_scale, zero_points), row_scales, bias);
+    return;
+  }
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || bias->scalar_type() == at::kFloat, "bias must be float32");
+  const int64_t rows = q.size(0), k = q.size(1), n = out.size(1);
+  dispatch(out, "int8_linear", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    tiles_product(ptr<T>(out), q.data_ptr<float>(), rows, k, n, packed_weight.size(0),
+                  packed_weight.data_ptr<int8_t>(), nullptr, nullptr, k,
+                  has_bias ? bias->data_ptr<float>() : nullptr,
+                  Epilogue{weight_scale.data_ptr<float>(), row_scales.data_ptr<float>()});
+  });
+}
+
+// The whole W8A8 layer in one op: quantize per token, the int8 product with the per-channel
+// weight scales applied in fp32, then the per-token scale and bias. At decode sizes the three
+// steps take ~10 us each; as three Python-level calls the dispatch and allocation around them
+// cost about as much again.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed_weight,
+                       const at::Tensor& weight_scale, const at::Tensor& zero_points,
+                       const c10::optional<at::Tensor>& bias) {
+  check_rows(x, "x");
+  const auto [q, scales] = quantized(x, values_in_tiles(packed_weight));
+  at::Tensor out = at::empty({x.size(0), weight_scale.numel()}, x.options());
+  scaled_int8_product(out, q, packed_weight, weight_scale, zero_points, scales, bias);
+  return out;
+}
+
+// gate_up's epilogue, the activation and down's quantization in one pass per row: the fp32
+// product [gate | up] times the row's scale, rounded to T as the unfused layer's output is,
+// silu(gate) * up with the roundings of `silu_and_mul`, then quantized per token (into D: int8,
+// or the int8 values as floats). Bit for bit the unfused sequence, without its two full-size
+// intermediate tensors.
+template <typename T, typename D>
+void silu_and_mul_quantize(D* out, float* scale, const at::Tensor& product,
+                           const at::Tensor& row_scales) {
+  const int64_t rows = product.size(0), n = product.size(1) / 2;
+  const float* in = product.data_ptr<float>();
+  const float* rs = row_scales.data_ptr<float>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> act(n);
+    float* __restrict__ a = act.data();
+    for (int64_t r = begin; r < end; ++r) {
+      const float* __restrict__ g = in + r * 2 * n;
+      const float s = rs[r];
+      for_lanes(n, [&](int64_t i, auto lane) {
+        using V = decltype(lane);
+        const V gate = rnd<T>(load<V>(g + i) * s), up = rnd<T>(load<V>(g + n + i) * s);
+        st(a + i, rnd<T>(rnd<T>(silu(gate)) * up));
+      });
+      scale[r] = quantize_row(out + r * n, a, n);
+    }
+  });
+}
+
+// A gated MLP whose two projections are packed W8A8 layers without a gate_up bias (the Llama
+// family): down(silu(gate) * up) with one quantization and one epilogue pass fewer than two
+// `int8_linear` calls around `silu_and_mul`, and the same result.
+at::Tensor int8_gated_mlp(const at::Tensor& x, const at::Tensor& gate_up_weight,
+                          const at::Tensor& gate_up_scale, const at::Tensor& gate_up_zero_points,
+                          const at::Tensor& down_weight, const at::Tensor& down_scale,
+                          const at::Tensor& down_zero_points,
+                          const c10::optional<at::Tensor>& down_bias) {
+  check_rows(x, "x");
+  const bool as_floats = values_in_tiles(gate_up_weight);
+  TORCH_CHECK(values_in_tiles(down_weight) == as_floats, "gate_up and down are packed alike");
+  const auto [q, scales] = quantized(x, as_floats);
+  const at::Tensor gate_up = int8_product(q, gate_up_weight, gate_up_scale, gate_up_zero_points);
+  const int64_t rows = x.size(0), n = gate_up.size(1) / 2;
+  at::Tensor act_q = at::empty({rows, n}, x.options().dtype(as_floats ? at::kFloat : at::kChar));
+  at::Tensor act_scales = at::empty({rows}, x.options().dtype(at::kFloat));
+  dispatch(x, "int8_gated_mlp", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    if (as_floats) {
+      silu_and_mul_quantize<T>(act_q.data_ptr<float>(), act_scales.data_ptr<float>(), gate_up,
+                               scales);
+    } else {
+      silu_and_mul_quantize<T>(act_q.data_ptr<int8_t>(), act_scales.data_ptr<float>(), gate_up,
+                               scales);
+    }
+  });
+  at::Tensor out = at::empty({rows, down_scale.numel()}, x.options());
+  scaled_int8_product(out, act_q, down_weight, down_scale, down_zero_points, act_scales,
+                      down_bias);
+  return out;
 }
 
 // Writes the new tokens' K and V into their cache slots: K into the token-minor K block layout
