@@ -384,12 +384,12 @@ class Fp8Linear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.prepared:
             raise RuntimeError("Fp8Linear.prepare_for(dtype, device) was not called after loading")
+        if self.packed is None and self.expanded is None:  # fp8 tensor cores
+            return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
+        x = fake_quantize_fp8(x, self.input_scale)
         if self.packed is not None:
-            x = fake_quantize_fp8(x, self.input_scale)
             return _packed_product(x, self.packed, self.bias, self.out_features)
-        if self.expanded is not None:
-            return F.linear(fake_quantize_fp8(x, self.input_scale), self.expanded, self.bias)
-        return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
+        return F.linear(x, self.expanded, self.bias)
 
 
 class WeightOnlyLinear(LinearBase):
