@@ -280,6 +280,72 @@ def test_stop_string_echo_logprobs_and_batch_prompts(tiny_server: RunningServer)
     tiny_server.assert_idle()
 
 
+def test_n_choices_penalties_and_logit_bias(tiny_server: RunningServer) -> None:
+    url = f"{tiny_server.url}/v1/completions"
+    encode = tiny_server.engine.tokenizer.encode
+    base = {"model": MODEL, "prompt": "Numbers: one two three", "max_tokens": 10,
+            "temperature": 1.0, "seed": 11, "ignore_eos": True}  # fmt: skip
+
+    def post(body: dict, path: str = url) -> dict:
+        response = httpx.post(path, json=body, headers=AUTH, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    three = post({**base, "n": 3})
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2]
+    for j, choice in enumerate(three["choices"]):  # choice j is the request seeded seed + j
+        assert choice["text"] == post({**base, "seed": 11 + j})["choices"][0]["text"]
+    assert len({c["text"] for c in three["choices"]}) == 3
+    assert three["usage"]["prompt_tokens"] == len(encode(base["prompt"])), "counted once"
+    assert three["usage"]["completion_tokens"] == 30
+
+    greedy = {**base, "temperature": 0, "max_tokens": 4, "echo": True}
+    two = post({**greedy, "prompt": ["Alpha beta", "Gamma delta"], "n": 2})
+    texts = [c["text"] for c in two["choices"]]  # prompt-major, as OpenAI numbers choices
+    assert texts[0] == texts[1] and texts[2] == texts[3] and texts[0] != texts[2]
+    assert texts[0].startswith("Alpha beta") and texts[2].startswith("Gamma delta")
+    assert two["usage"]["prompt_tokens"] == len(encode("Alpha beta")) + len(encode("Gamma delta"))
+
+    plain = {**base, "temperature": 0, "logprobs": 0}
+    unbiased = post(plain)["choices"][0]["logprobs"]["tokens"]
+    forced_id = encode(" seven", add_special_tokens=False)[0]
+    forced = post({**plain, "logit_bias": {str(forced_id): 100}})["choices"][0]["logprobs"]
+    assert forced["tokens"] == [tiny_server.engine.tokenizer.decode([forced_id])] * 10
+    assert forced["tokens"] != unbiased
+    repeated = post({**plain, "frequency_penalty": 2.0})["choices"][0]["logprobs"]["tokens"]
+    assert max(map(repeated.count, repeated)) < max(map(unbiased.count, unbiased))
+
+    chat_url = f"{tiny_server.url}/v1/chat/completions"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}], "n": 2,
+            "seed": 5, "max_tokens": 8, "ignore_eos": True}  # fmt: skip
+    full = post(chat, chat_url)
+    assert [c["index"] for c in full["choices"]] == [0, 1]
+    assert full["choices"][0]["message"] != full["choices"][1]["message"]
+    stream_body = {**chat, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", chat_url, json=stream_body, headers=AUTH, timeout=60) as response:
+        events = sse_events([line for line in response.iter_lines() if line])
+    for index, choice in enumerate(full["choices"]):
+        deltas = [c for e in events for c in e["choices"] if c["index"] == index]
+        assert deltas[0]["delta"]["role"] == "assistant"
+        assert (
+            "".join(d["delta"].get("content") or "" for d in deltas) == choice["message"]["content"]
+        )
+        assert deltas[-1]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 16
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=chat["messages"], n=2, seed=5, max_tokens=8,
+        presence_penalty=0.0, logit_bias={}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.message.content for c in reply.choices] == [
+        c["message"]["content"] for c in full["choices"]
+    ]
+    tiny_server.assert_idle()
+
+
 def test_lm_eval_loglikelihood_through_the_server(
     tiny_server: RunningServer, tiny_llama_checkpoint: Path
 ) -> None:
@@ -337,7 +403,19 @@ BAD_INPUTS = [
     ("prompt + max_tokens too long", "/v1/completions", {"prompt": "hi", "max_tokens": 1000},
      AUTH, 400, "max_tokens"),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, AUTH, 400, "model"),
-    ("n > 1", "/v1/completions", {"prompt": "hi", "n": 2}, AUTH, 400, "n"),
+    ("n zero", "/v1/completions", {"prompt": "hi", "n": 0}, AUTH, 400, "n"),
+    ("best_of", "/v1/completions", {"prompt": "hi", "best_of": 3}, AUTH, 400, "best_of"),
+    ("penalty out of range", "/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, AUTH,
+     400, "presence_penalty"),
+    ("repetition_penalty zero", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, AUTH, 400,
+     "repetition_penalty"),
+    ("logit_bias key not a token id", "/v1/completions", {"prompt": "hi", "logit_bias": {"a": 1}},
+     AUTH, 400, "logit_bias"),
+    ("logit_bias key outside the vocabulary", "/v1/completions",
+     {"prompt": "hi", "logit_bias": {str(10**6): 1}}, AUTH, 400, "logit_bias"),
+    ("logit_bias value out of range", "/v1/completions",
+     {"prompt": "hi", "logit_bias": {"5": 150}}, AUTH, 400, "logit_bias"),
     ("negative temperature", "/v1/completions", {"prompt": "hi", "temperature": -1}, AUTH, 400,
      None),
     ("token id out of range", "/v1/completions", {"prompt": [1, 10**9]}, AUTH, 400, "prompt"),

@@ -3,7 +3,9 @@ caching, chunked prefill, preemption, abort, seeded sampling — and no leaked K
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -122,6 +124,53 @@ def test_fresh_prompts_of_one_length_attend_in_one_call_and_match_transformers(
         assert output == hf_greedy(hf_model, prompt, GREEDY.max_tokens)
 
 
+class OpenAIPenalties:
+    """OpenAI's documented presence/frequency rule over the generated tokens, as a logits processor
+    for transformers' generate (which has the repetition penalty and the bias built in)."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for row in range(len(scores)):
+            for token, count in Counter(input_ids[row, self.prompt_len :].tolist()).items():
+                scores[row, token] -= count * self.frequency + self.presence
+        return scores
+
+
+def test_penalties_and_logit_bias_match_transformers_in_a_shared_batch(
+    engine: LLMEngine, hf_model: torch.nn.Module
+) -> None:
+    prompt = encode(engine, PROMPTS[2])
+    (the,) = encode(engine, " the")
+    plain = replace(GREEDY, max_tokens=24)
+    cases = {
+        "repetition": (replace(plain, repetition_penalty=1.4), {"repetition_penalty": 1.4}),
+        "bias": (replace(plain, logit_bias=((the, 4.0),)), {"sequence_bias": {(the,): 4.0}}),
+        "openai": (
+            replace(plain, presence_penalty=0.8, frequency_penalty=1.2, repetition_penalty=1.1),
+            {
+                "repetition_penalty": 1.1,
+                "logits_processor": [OpenAIPenalties(len(prompt), 0.8, 1.2)],
+            },
+        ),
+    }
+    for name, (params, _) in cases.items():
+        engine.add_request(name, prompt, params)
+    engine.add_request("plain", prompt, plain)
+    tokens = run_all(engine)
+    for name, (_, hf_kwargs) in cases.items():
+        with torch.inference_mode():
+            out = hf_model.generate(
+                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, **hf_kwargs
+            )
+        assert tokens[name] == out[0, len(prompt) :].tolist(), name
+        assert tokens[name] != tokens["plain"], f"{name} changed nothing"
+    assert tokens["plain"] == hf_greedy(hf_model, prompt, 24)
+    assert tokens["bias"].count(the) > tokens["plain"].count(the)
+    assert max(Counter(tokens["openai"]).values()) < max(Counter(tokens["plain"]).values())
+
+
 def test_prefix_cache_hits_give_the_same_tokens_and_are_counted(engine: LLMEngine) -> None:
     prompt = encode(engine, SHARED_PREFIX + "What is the boiling point of water?")
     before = engine.stats()
@@ -144,7 +193,8 @@ def test_chunked_prefill_and_preemption_give_the_same_tokens(
 ) -> None:
     prompts = [encode(engine, SHARED_PREFIX + q) for q in ("Who are you?", "Name a fruit.")]
     prompts.append(encode(engine, PROMPTS[2]))  # 34 + 34 + 19 prompt tokens
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    # the penalty reads the generated tokens, which a recomputed request must count again
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, frequency_penalty=0.5)
     reference = engine.generate(prompts, params)
     # 4 + 4 + 3 blocks at the end: 8 blocks force preemption; a 40-token budget splits the 87
     # prompt tokens into chunks.

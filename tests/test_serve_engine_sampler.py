@@ -1,16 +1,38 @@
-"""The batched sampler: greedy, top-k/top-p filtering, seeded and shared random draws, logprobs."""
+"""The batched sampler: greedy, top-k/top-p filtering, seeded and shared random draws, logprobs,
+logit bias and the presence, frequency and repetition penalties."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
+from transformers import RepetitionPenaltyLogitsProcessor
 
+from qpipe.serve.layers.penalties import apply_penalties
 from qpipe.serve.layers.sampler import sample
 from qpipe.serve.sampling_params import SamplingParams
+from qpipe.serve.sequence import Sequence
 
 
 def logits_batch(rows: int) -> torch.Tensor:
     return torch.randn(rows, 1000, generator=torch.Generator().manual_seed(0)) * 3
+
+
+def seqs_for(
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None] | None = None,
+    histories: list[tuple[list[int], list[int]]] | None = None,
+) -> list[Sequence]:
+    """Sequences with (prompt, generated) token histories; the generated ones appended as the
+    engine appends them."""
+    seqs = []
+    for i, p in enumerate(params):
+        prompt, generated = histories[i] if histories else ([1], [])
+        seq = Sequence(f"r{i}", prompt, p, generators[i] if generators else None)
+        seq.token_ids += generated
+        seqs.append(seq)
+    return seqs
 
 
 def test_filters_keep_only_allowed_tokens() -> None:
@@ -22,7 +44,7 @@ def test_filters_keep_only_allowed_tokens() -> None:
         SamplingParams(temperature=1.5, top_k=5),
     ]
     for _ in range(5):
-        tokens, logprobs = sample(logits, params, [None] * 4)
+        tokens, logprobs = sample(logits, seqs_for(params))
         best = logits.argmax(-1).tolist()
         assert tokens[:3] == best[:3]
         assert tokens[3] in logits[3].topk(5).indices.tolist()
@@ -32,14 +54,17 @@ def test_filters_keep_only_allowed_tokens() -> None:
 def test_seeded_rows_repeat_and_shared_rows_vary() -> None:
     logits = logits_batch(2)
     params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.0)]
-    draws = [sample(logits, params, [torch.Generator().manual_seed(7), None])[0] for _ in range(20)]
+    draws = [
+        sample(logits, seqs_for(params, [torch.Generator().manual_seed(7), None]))[0]
+        for _ in range(20)
+    ]
     assert len({d[0] for d in draws}) == 1
     assert len({d[1] for d in draws}) > 1
 
 
 def test_logprobs_hold_the_chosen_and_the_top_tokens() -> None:
     logits = logits_batch(1)
-    tokens, logprobs = sample(logits, [SamplingParams(temperature=0.0, logprobs=3)], [None])
+    tokens, logprobs = sample(logits, seqs_for([SamplingParams(temperature=0.0, logprobs=3)]))
     expected = torch.log_softmax(logits[0], -1)
     (entry,) = logprobs
     assert set(entry) == set(expected.topk(3).indices.tolist()) and tokens[0] in entry
@@ -51,3 +76,63 @@ def test_top_k_zero_means_off_and_below_minus_one_is_refused() -> None:
     assert SamplingParams(top_k=0) == SamplingParams(top_k=-1)
     with pytest.raises(ValueError, match="top_k must be -1 or 0"):
         SamplingParams(top_k=-2)
+
+
+def test_penalties_and_bias_follow_the_documented_rules_row_by_row() -> None:
+    logits = logits_batch(4)
+    histories = [([5, 6, 7, 7], [7, 8, 8, 8]), ([9], [3, 3, 4]), ([1, 2], [2]), ([10, 11], [12])]
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.7, logit_bias=((8, 2.5), (999, -4.0))),
+        SamplingParams(temperature=0.9, frequency_penalty=0.75, presence_penalty=-0.5),
+        SamplingParams(temperature=0.0),  # untouched
+        SamplingParams(repetition_penalty=0.6, frequency_penalty=1.5, presence_penalty=2.0),
+    ]
+    before = logits.clone()
+    adjusted = apply_penalties(logits, seqs_for(params, histories=histories))
+    assert torch.equal(logits, before), "the raw logits stay as they were, for logprobs"
+
+    expected = logits.clone()
+    for row, (p, (prompt, generated)) in enumerate(zip(params, histories, strict=True)):
+        for token, bias in p.logit_bias:
+            expected[row, token] += bias
+        if p.repetition_penalty != 1.0:  # HF's processor: prompt and generated tokens alike
+            history = torch.tensor([prompt + generated])
+            rule = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)
+            expected[row] = rule(history, expected[row : row + 1].clone())[0]
+        for token, count in Counter(generated).items():  # OpenAI's: the generated tokens only
+            expected[row, token] -= count * p.frequency_penalty + p.presence_penalty
+    assert torch.equal(adjusted, expected)
+    assert not torch.equal(adjusted[0], logits[0]) and torch.equal(adjusted[2], logits[2])
+    assert apply_penalties(logits, seqs_for([SamplingParams()] * 4)) is logits
+
+
+def test_greedy_follows_the_bias_and_logprobs_stay_those_of_the_model() -> None:
+    logits = logits_batch(2)
+    weakest = int(logits[0].argmin())
+    params = [
+        SamplingParams(temperature=0.0, logprobs=1, logit_bias=((weakest, 100.0),)),
+        SamplingParams(temperature=0.0, logprobs=1, frequency_penalty=2.0),
+    ]
+    best = int(logits[1].argmax())
+    seqs = seqs_for(params, histories=[([1], []), ([1], [best] * 40)])
+    tokens, logprobs = sample(logits, seqs)
+    assert tokens[0] == weakest
+    assert tokens[1] != best, "40 repeats at frequency_penalty 2 push the argmax down"
+    raw = torch.log_softmax(logits, -1)
+    for row, token in enumerate(tokens):
+        assert logprobs[row][token] == pytest.approx(raw[row, token].item(), abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty must be in"),
+        ({"frequency_penalty": -3}, "frequency_penalty must be in"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+        ({"logit_bias": ((3, 101.0),)}, "logit_bias maps"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias maps"),
+    ],
+)
+def test_out_of_range_penalties_and_bias_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)

@@ -62,6 +62,7 @@ class LLMEngine:
         self.model_runner = ModelRunner(config)
         self.max_model_len: int = self.model_runner.max_model_len
         self.eos_token_ids: frozenset[int] = self.model_runner.eos_token_ids
+        self.vocab_size: int = self.model_runner.vocab_size
         self.scheduler = Scheduler(
             config,
             num_blocks=self.model_runner.num_kv_blocks,
@@ -72,8 +73,9 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        """Queue a request. Raises ValueError for an id in use, an empty prompt, or a prompt that
-        leaves no room to generate within `max_model_len`."""
+        """Queue a request. Raises ValueError for an id in use, an empty prompt, a prompt that
+        leaves no room to generate within `max_model_len`, or a logit bias outside the
+        vocabulary."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -82,6 +84,13 @@ class LLMEngine:
             raise ValueError(
                 f"request {request_id!r}: prompt has {len(prompt_token_ids)} tokens but "
                 f"max_model_len is {self.max_model_len}; shorten the prompt"
+            )
+        vocab = self.vocab_size
+        outside = [token for token, _ in params.logit_bias if token >= vocab]
+        if outside:
+            raise ValueError(
+                f"request {request_id!r}: logit_bias names token ids {outside} outside this "
+                f"model's vocabulary of {vocab}"
             )
         seq = Sequence(
             request_id, prompt_token_ids, params, self.model_runner.new_generator(params)

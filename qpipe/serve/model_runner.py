@@ -75,6 +75,7 @@ class ModelRunner:
         self.eos_token_ids = frozenset(
             eos if isinstance(eos, list) else [] if eos is None else [eos]
         )
+        self.vocab_size: int = hf.vocab_size
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = hf.num_key_value_heads
         self.head_dim = head_dim_of(hf)
@@ -244,9 +245,7 @@ class ModelRunner:
             done += len(block)
         if sampling:
             seqs = [ordered[i].seq for i in sampling]
-            tokens, logprobs = sample(
-                logits[: len(sampling)], [s.params for s in seqs], [s.generator for s in seqs]
-            )
+            tokens, logprobs = sample(logits[: len(sampling)], seqs)
             for seq, token, entry in zip(seqs, tokens, logprobs, strict=True):
                 result.sampled[seq.request_id] = (token, entry)
         return result

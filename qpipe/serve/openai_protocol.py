@@ -1,8 +1,8 @@
 """OpenAI-compatible request and response bodies for the built-in server.
 
 Requests ignore fields qpipe does not know (clients send `user`, `metadata`, ...), but the fields
-that would change the output and that qpipe cannot honour (`n > 1`, penalties, `best_of`, `suffix`,
-`logit_bias`) are rejected by the API with a 400 that says so, never silently dropped.
+that would change the output and that qpipe cannot honour (`best_of` other than `n`, `suffix`) are
+rejected by the API with a 400 that says so, never silently dropped.
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ class SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=128)
     best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float = 1.0  # vLLM's extension: HF's rule over prompt and output
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> added logit
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

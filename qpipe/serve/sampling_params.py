@@ -19,6 +19,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # also {token: logprob} for each prompt token but the first
+    # OpenAI's penalties count the generated tokens only; the repetition penalty (HF's and vLLM's)
+    # also the prompt's. logit_bias is (token id, added logit) pairs.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -38,7 +44,34 @@ class SamplingParams:
             if value is not None and not 0 <= value <= 20:
                 raise ValueError(f"SamplingParams.{name} must be in [0, 20], got {value}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {value}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(
+                f"SamplingParams.repetition_penalty must be > 0 (1 is off), "
+                f"got {self.repetition_penalty}"
+            )
+        bias = tuple((int(token), float(value)) for token, value in self.logit_bias)
+        for token, value in bias:
+            if token < 0 or not -100.0 <= value <= 100.0:
+                raise ValueError(
+                    f"SamplingParams.logit_bias maps token ids >= 0 to values in [-100, 100], "
+                    f"got {token}: {value}"
+                )
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the token history or a bias changes the logits before the choice."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )

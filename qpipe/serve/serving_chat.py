@@ -65,31 +65,35 @@ class OpenAIServingChat(OpenAIServing):
         self, body: ChatCompletionRequest, disconnected: Disconnected
     ) -> ChatCompletionResponse | AsyncIterator[bytes]:
         prompt, params = self._prepare(body)
-        streams = self.start([prompt], params, body.stop_strings())
+        streams = self.start([prompt], params, body.stop_strings(), body.n)
         if body.stream:
-            return self._stream(body, streams[0], len(prompt))
-        (result,) = await self.collect(streams, disconnected)
-        logprobs = None
-        if body.logprobs:
-            logprobs = self._logprobs(result.token_ids, result.logprobs, body.top_logprobs or 0)
-        return ChatCompletionResponse(
-            model=self.settings.served_model_name,
-            choices=[
+            return self._stream(body, streams, len(prompt))
+        results = await self.collect(streams, disconnected)
+        choices = []
+        for index, result in enumerate(results):
+            logprobs = None
+            if body.logprobs:
+                logprobs = self._logprobs(result.token_ids, result.logprobs, body.top_logprobs or 0)
+            choices.append(
                 ChatChoice(
+                    index=index,
                     message=ChatResponseMessage(content=result.text),
                     logprobs=logprobs,
                     finish_reason=result.finish_reason,
                 )
-            ],
-            usage=usage_info([result], [len(prompt)]),
+            )
+        return ChatCompletionResponse(
+            model=self.settings.served_model_name,
+            choices=choices,
+            usage=usage_info(results, [len(prompt)], body.n),
         )
 
     async def _stream(
-        self, body: ChatCompletionRequest, stream: RequestStream, prompt_len: int
+        self, body: ChatCompletionRequest, streams: list[RequestStream], prompt_len: int
     ) -> AsyncIterator[bytes]:
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         model = self.settings.served_model_name
-        result = ChoiceOutput()
+        results = [ChoiceOutput() for _ in streams]
 
         def event(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> bytes:
             chunk = ChatCompletionChunk(
@@ -97,14 +101,16 @@ class OpenAIServingChat(OpenAIServing):
             )
             return sse_event(chunk.model_dump_json())
 
-        yield event([ChatStreamChoice(delta=ChatDelta(role="assistant", content=""))])
+        for index in range(len(streams)):
+            role = ChatDelta(role="assistant", content="")
+            yield event([ChatStreamChoice(index=index, delta=role)])
         try:
-            async for item in self.merged([stream]):
+            async for item in self.merged(streams):
                 if item is None:
                     yield b": keep-alive\n\n"
                     continue
-                chunk = item[1]
-                result.add(chunk)
+                index, chunk = item
+                results[index].add(chunk)
                 logprobs = None
                 if body.logprobs:
                     logprobs = self._logprobs(
@@ -113,13 +119,14 @@ class OpenAIServingChat(OpenAIServing):
                 if not chunk.text and logprobs is None and not chunk.finished:
                     continue
                 choice = ChatStreamChoice(
+                    index=index,
                     delta=ChatDelta(content=chunk.text or None),
                     logprobs=logprobs,
                     finish_reason=chunk.finish_reason,
                 )
                 yield event([choice])
             if body.stream_options is not None and body.stream_options.include_usage:
-                yield event([], usage_info([result], [prompt_len]))
+                yield event([], usage_info(results, [prompt_len], body.n))
         except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band
             yield sse_event(as_api_error(exc).body().model_dump_json())
         yield sse_event("[DONE]")

@@ -93,7 +93,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self, body: CompletionRequest, disconnected: Disconnected
     ) -> CompletionResponse | AsyncIterator[bytes]:
         prompts, params = self._prepare(body)
-        streams = self.start(prompts, params, body.stop_strings())
+        n = body.n
+        streams = self.start(prompts, params, body.stop_strings(), n)
         echoes = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
         if body.stream:
             return self._stream(body, streams, prompts, echoes)
@@ -104,14 +105,14 @@ class OpenAIServingCompletion(OpenAIServing):
             if body.logprobs is not None:
                 echoed = None
                 if body.echo and result.prompt_logprobs is not None:
-                    echoed = (prompts[i], result.prompt_logprobs)
+                    echoed = (prompts[i // n], result.prompt_logprobs)
                 logprobs = self._logprobs(
                     result.token_ids, result.logprobs, body.logprobs, 0, echoed
                 )
             choices.append(
                 CompletionChoice(
                     index=i,
-                    text=echoes[i] + result.text,
+                    text=echoes[i // n] + result.text,
                     logprobs=logprobs,
                     finish_reason=result.finish_reason,
                 )
@@ -119,7 +120,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(
             model=self.settings.served_model_name,
             choices=choices,
-            usage=usage_info(results, [len(p) for p in prompts]),
+            usage=usage_info(results, [len(p) for p in prompts], n),
         )
 
     async def _stream(
@@ -131,9 +132,10 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[bytes]:
         response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         model = self.settings.served_model_name
+        n = body.n
         results = [ChoiceOutput() for _ in streams]
-        offsets = [len(e) for e in echoes]
-        pending_echo = [bool(e) for e in echoes]
+        offsets = [len(echoes[i // n]) for i in range(len(streams))]
+        pending_echo = [bool(echoes[i // n]) for i in range(len(streams))]
 
         def event(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
             response = CompletionResponse(
@@ -152,14 +154,14 @@ class OpenAIServingCompletion(OpenAIServing):
                 if body.logprobs is not None:
                     echoed = None
                     if chunk.prompt_logprobs is not None and pending_echo[index]:
-                        echoed, offsets[index] = (prompts[index], chunk.prompt_logprobs), 0
+                        echoed, offsets[index] = (prompts[index // n], chunk.prompt_logprobs), 0
                     logprobs = self._logprobs(
                         chunk.token_ids, chunk.logprobs or [], body.logprobs, offsets[index], echoed
                     )
                     offsets[index] += sum(len(t) for t in logprobs.tokens)
                 text = chunk.text
                 if pending_echo[index]:
-                    text, pending_echo[index] = echoes[index] + text, False
+                    text, pending_echo[index] = echoes[index // n] + text, False
                 if not text and logprobs is None and not chunk.finished:
                     continue
                 choice = CompletionChoice(
@@ -167,7 +169,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
                 yield event([choice])
             if body.stream_options is not None and body.stream_options.include_usage:
-                yield event([], usage_info(results, [len(p) for p in prompts]))
+                yield event([], usage_info(results, [len(p) for p in prompts], n))
         except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band
             yield sse_event(as_api_error(exc).body().model_dump_json())
         yield sse_event("[DONE]")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from qpipe.serve.api_errors import APIError, as_api_error
 from qpipe.serve.async_engine import (
@@ -56,10 +56,12 @@ class ChoiceOutput:
             self.prompt_logprobs = chunk.prompt_logprobs
 
 
-def usage_info(choices: list[ChoiceOutput], prompt_lens: list[int]) -> UsageInfo:
+def usage_info(choices: list[ChoiceOutput], prompt_lens: list[int], n: int = 1) -> UsageInfo:
+    """A prompt counts once however many choices (`n`, prompt-major) it has, as in OpenAI's and
+    vLLM's usage; so do its cached tokens, read from its first choice."""
     prompt = sum(prompt_lens)
     completion = sum(len(c.token_ids) for c in choices)
-    cached = sum(c.num_cached_tokens for c in choices)
+    cached = sum(c.num_cached_tokens for c in choices[::n])
     return UsageInfo(
         prompt_tokens=prompt,
         completion_tokens=completion,
@@ -78,6 +80,7 @@ class OpenAIServing:
         self.settings = settings
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len: int = engine.engine.max_model_len
+        self.vocab_size: int = engine.engine.vocab_size
 
     # ---- request checks -------------------------------------------------------------------------
 
@@ -91,22 +94,30 @@ class OpenAIServing:
             )
 
     def check_unsupported(self, body: SamplingRequest) -> None:
-        if body.n != 1:
+        if body.best_of not in (None, body.n):
             raise APIError(
                 400,
-                f"n={body.n} is not supported: qpipe returns one choice per prompt; "
-                "send n separate requests (with different seeds) instead",
-                param="n",
+                f"best_of={body.best_of} is not supported by qpipe's server (as in vLLM's V1 "
+                f"engine); ask for n={body.best_of} choices and rank them on the client",
+                param="best_of",
             )
-        unsupported = {
-            "best_of": body.best_of not in (None, 1),
-            "presence_penalty": body.presence_penalty != 0,
-            "frequency_penalty": body.frequency_penalty != 0,
-            "logit_bias": bool(body.logit_bias),
-        }
-        for name, used in unsupported.items():
-            if used:
-                raise APIError(400, f"{name} is not supported by qpipe's server", param=name)
+
+    def logit_bias(self, body: SamplingRequest) -> tuple[tuple[int, float], ...]:
+        """OpenAI's {"token id": bias} map as (id, bias) pairs, every id checked."""
+        pairs = []
+        for key, value in (body.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token < self.vocab_size:
+                raise APIError(
+                    400,
+                    f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {key!r}",
+                    param="logit_bias",
+                )
+            pairs.append((token, value))
+        return tuple(pairs)
 
     def sampling_params(
         self,
@@ -148,9 +159,14 @@ class OpenAIServing:
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logit_bias=self.logit_bias(body),
             )
         except ValueError as exc:
-            raise APIError(400, str(exc).removeprefix("SamplingParams.")) from exc
+            message = str(exc).removeprefix("SamplingParams.")  # which starts with the field
+            raise APIError(400, message, param=message.partition(" ")[0]) from exc
 
     def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
@@ -168,13 +184,20 @@ class OpenAIServing:
     # ---- generation -----------------------------------------------------------------------------
 
     def start(
-        self, prompts: list[list[int]], params: SamplingParams, stop: list[str]
+        self, prompts: list[list[int]], params: SamplingParams, stop: list[str], n: int = 1
     ) -> list[RequestStream]:
+        """One engine request per choice: `n` per prompt, prompt-major, as OpenAI numbers the
+        choices. With a seed, choice j draws with seed + j (as vLLM does), so the n choices
+        differ and each one can be repeated alone."""
         base = uuid.uuid4().hex
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
-                streams.append(self.engine.add_request(f"{base}-{i}", ids, params, stop))
+                for j in range(n):
+                    seed = None if params.seed is None else params.seed + j
+                    choice = replace(params, seed=seed)
+                    request_id = f"{base}-{i * n + j}"
+                    streams.append(self.engine.add_request(request_id, ids, choice, stop))
         except QueueFullError as exc:
             for stream in streams:
                 stream.abort()

@@ -1,36 +1,45 @@
 """Turns the last-token logits of a batch into next tokens, batched across requests.
 
-Greedy rows take the argmax; the others are tempered, top-k/top-p filtered and sampled. Requests
-with a seed draw from their own generator (kept on the sequence); the rest share one batched draw.
+Bias and penalties first adjust the logits of the requests that ask for them. Greedy rows then
+take the argmax; the others are tempered, top-k/top-p filtered and sampled. Requests with a seed
+draw from their own generator (kept on the sequence); the rest share one batched draw.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from qpipe.serve.layers.penalties import apply_penalties
 from qpipe.serve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from qpipe.serve.sequence import Sequence
 
 
 def sample(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    logits: torch.Tensor, seqs: list[Sequence]
 ) -> tuple[list[int], list[dict[int, float] | None]]:
-    """logits: [batch, vocab] fp32. Returns token ids and, where asked, {token: logprob} with the
-    chosen token and the `logprobs` most likely ones (from the unmodified distribution, as vLLM)."""
+    """logits: [batch, vocab] fp32, row i for seqs[i]. Returns token ids and, where asked,
+    {token: logprob} with the chosen token and the `logprobs` most likely ones (from the
+    distribution before bias, penalties and filters, as vLLM's default)."""
     batch = logits.shape[0]
-    tokens = logits.max(dim=-1).indices  # argmax's result; 2.5x faster on CPU (torch 2.13)
+    params = [seq.params for seq in seqs]
+    adjusted = apply_penalties(logits, seqs)
+    tokens = adjusted.max(dim=-1).indices  # argmax's result; 2.5x faster on CPU (torch 2.13)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
-        probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
-        shared = [j for j, i in enumerate(random_rows) if generators[i] is None]
+        probs = _filtered_probs(adjusted[rows], [params[i] for i in random_rows])
+        shared = [j for j, i in enumerate(random_rows) if seqs[i].generator is None]
         if shared:
             picked = torch.multinomial(probs[shared], 1).squeeze(1)
             tokens[rows[shared]] = picked
         for j, i in enumerate(random_rows):
-            if generators[i] is not None:
-                tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+            generator = seqs[i].generator
+            if generator is not None:
+                tokens[i] = torch.multinomial(probs[j], 1, generator=generator)[0]
     token_list = tokens.tolist()
     logprobs: list[dict[int, float] | None] = [None] * batch
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
