@@ -775,6 +775,14 @@ def test_smollm2_openai_client_end_to_end(smollm2_checkpoint: Path) -> None:
             out = model.generate(prompt_ids, max_new_tokens=20, do_sample=False)
         expected = tokenizer.decode(out[0, prompt_ids.shape[1] :], skip_special_tokens=True)
         assert answer == expected
+
+        samples = client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=20, n=3, seed=0, temperature=0.8,
+            frequency_penalty=0.5, extra_body={"repetition_penalty": 1.2},
+        )  # fmt: skip
+        assert [c.index for c in samples.choices] == [0, 1, 2]
+        assert len({c.message.content for c in samples.choices}) > 1
+        assert samples.usage.prompt_tokens == prompt_ids.shape[1]
         running.assert_idle()
     finally:
         running.stop()
