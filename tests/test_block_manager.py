@@ -14,9 +14,9 @@ def seq(tokens: list[int], name: str = "s") -> Sequence:
 
 
 def computed(bm: BlockManager, s: Sequence) -> Sequence:
-    """Pretend the model ran over all of `s`'s tokens, as the scheduler's postprocess does."""
+    """Pretend the model ran over all of `s`'s tokens, as a scheduled step does."""
+    bm.register_blocks(s, s.num_tokens)
     s.num_computed_tokens = s.num_tokens
-    bm.register_computed_blocks(s)
     return s
 
 

@@ -14,9 +14,9 @@ import torch
 from qpipe.serve import model_runner
 from qpipe.serve.config import EngineConfig
 from qpipe.serve.engine import LLMEngine
-from qpipe.serve.model_runner import prompt_logprob_rows
+from qpipe.serve.model_runner import StepResult, prompt_logprob_rows
 from qpipe.serve.sampling_params import SamplingParams
-from qpipe.serve.scheduler import ScheduledSeq
+from qpipe.serve.scheduler import ScheduledBatch, ScheduledSeq
 from qpipe.serve.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -188,6 +188,49 @@ def test_prefix_cache_hits_give_the_same_tokens_and_are_counted(engine: LLMEngin
     assert after.prefix_cache_queries - before.prefix_cache_queries == 2 * len(prompt)
 
 
+def test_identical_prompts_admitted_together_compute_their_full_blocks_once(
+    engine: LLMEngine, hf_model: torch.nn.Module, smollm2_checkpoint: Path
+) -> None:
+    """The n choices of one prompt: the first computes the prompt, the others hit its blocks in
+    the same step (as vLLM's V1 engine does), also when the prompt is prefilled in chunks."""
+    prompt = encode(
+        engine,
+        "The old lighthouse keeper climbed the spiral stairs every evening to light the great "
+        "lamp, and on the night of the worst storm in forty years he looked out to sea and saw",
+    )
+    full = (len(prompt) - 1) // 16 * 16
+    assert full >= 32
+    steps: list[int] = []
+    run = engine.model_runner.run
+
+    def recording(batch: ScheduledBatch) -> StepResult:
+        steps.append(batch.num_tokens)
+        return run(batch)
+
+    before = engine.stats()
+    engine.model_runner.run = recording  # type: ignore[method-assign]
+    try:
+        for i in range(4):
+            engine.add_request(f"twin-{i}", prompt, GREEDY)
+        tokens = run_all(engine)
+    finally:
+        del engine.model_runner.run
+    assert steps[0] == len(prompt) + 3 * (len(prompt) - full)
+    assert engine.stats().prefix_cache_hits - before.prefix_cache_hits == 3 * full
+    expected = hf_greedy(hf_model, prompt, GREEDY.max_tokens)
+    assert all(tokens[f"twin-{i}"] == expected for i in range(4))
+
+    # a 24-token budget: the second copy joins mid-prefill and hits only the blocks computed so far
+    chunked = LLMEngine(
+        EngineConfig(
+            model=str(smollm2_checkpoint), dtype="float32", kv_cache_memory_gib=0.05,
+            max_model_len=256, max_num_batched_tokens=24, max_num_seqs=8,
+        )
+    )  # fmt: skip
+    assert chunked.generate([prompt, prompt], GREEDY) == [expected, expected]
+    assert chunked.stats().prefix_cache_hits > 0
+
+
 def test_chunked_prefill_and_preemption_give_the_same_tokens(
     engine: LLMEngine, smollm2_checkpoint: Path
 ) -> None:
@@ -328,6 +371,9 @@ def test_bad_requests_are_rejected_with_the_reason(engine: LLMEngine) -> None:
         engine.add_request("long", [1] * engine.max_model_len, GREEDY)
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("empty", [], GREEDY)
+    outside = replace(GREEDY, logit_bias=((engine.vocab_size, 1.0),))
+    with pytest.raises(ValueError, match="outside this model's vocabulary of 49152"):
+        engine.add_request("bias", [1, 2, 3], outside)
     engine.add_request("dup", [1, 2, 3], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("dup", [1, 2, 3], GREEDY)

@@ -1,9 +1,11 @@
 """The paged KV cache's bookkeeping: which block holds which tokens, who shares it, what to evict.
 
-Blocks hold `block_size` token slots. A full block whose KV is computed is registered under the
-chained hash of its tokens (the hash of the previous block folded in), so a later prompt with the
-same prefix reuses it instead of recomputing. Freed blocks keep their hash and sit in an LRU queue:
-they are revived on a hit and only overwritten when a fresh block is needed.
+Blocks hold `block_size` token slots. A full block is registered under the chained hash of its
+tokens (the hash of the previous block folded in) as soon as a step is scheduled to compute it, so
+a later prompt with the same prefix reuses it instead of recomputing, even one admitted to that
+same step: every layer writes the step's new K/V before any sequence attends, so the n choices of
+one prompt compute it once. Freed blocks keep their hash and sit in an LRU queue: they are revived
+on a hit and only overwritten when a fresh block is needed.
 """
 
 from __future__ import annotations
@@ -107,11 +109,12 @@ class BlockManager:
         if len(seq.block_table) < self.blocks_needed(seq.num_tokens):
             seq.block_table.append(self._take_fresh_block())
 
-    def register_computed_blocks(self, seq: Sequence) -> None:
-        """Publish `seq`'s newly completed full blocks in the prefix cache."""
+    def register_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Publish the full blocks among `seq`'s first `num_tokens` tokens in the prefix cache:
+        their KV is computed, or will be by the step being scheduled."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         for index in range(len(seq.block_hashes), num_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             tokens = seq.block_tokens(index, self.block_size)

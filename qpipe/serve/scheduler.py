@@ -86,11 +86,13 @@ class Scheduler:
                 items.append(_scheduled(seq, 1))
                 budget -= 1
         items = [item for item in items if item.seq.status is SequenceStatus.RUNNING]
+        for item in items:
+            self._register(item)
         for seq in self.running:
             remaining = seq.num_tokens - seq.num_computed_tokens
             if remaining > 1 and budget > 0:
                 chunk = min(remaining, budget)
-                items.append(_scheduled(seq, chunk))
+                items.append(self._register(_scheduled(seq, chunk)))
                 budget -= chunk
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -104,9 +106,15 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            items.append(_scheduled(seq, chunk))
+            items.append(self._register(_scheduled(seq, chunk)))
             budget -= chunk
         return ScheduledBatch(items)
+
+    def _register(self, item: ScheduledSeq) -> ScheduledSeq:
+        """Publish the blocks this step fills before admitting anyone else, so a prompt admitted
+        later in the step hits them (the step writes them before anyone attends)."""
+        self.block_manager.register_blocks(item.seq, item.start + item.num_new_tokens)
+        return item
 
     def postprocess(
         self,
@@ -121,7 +129,6 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted between schedule and postprocess
             seq.num_computed_tokens = item.start + item.num_new_tokens
-            self.block_manager.register_computed_blocks(seq)
             if not item.samples:
                 continue
             token_id, logprobs = sampled[seq.request_id]
