@@ -169,6 +169,19 @@ def test_detokenizer_cuts_at_stop_string_and_holds_back_its_prefix(tokenizer) ->
     assert not any("thr" in piece for piece in pieces), "a stop-string prefix must not be sent"
 
 
+def test_detokenizer_ignores_stop_strings_within_min_tokens(tokenizer) -> None:  # noqa: ANN001
+    ids = tokenizer.encode("one two one two one", add_special_tokens=False)
+    first_two = len(tokenizer.encode("one two", add_special_tokens=False))
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["two"], min_tokens=first_two)
+    text = ""
+    for token_id in ids:
+        text += detok.add_tokens([token_id])
+        if detok.stopped:
+            break
+    assert detok.stopped
+    assert text + detok.flush() == "one two one "
+
+
 # ---- OpenAI API over HTTP ------------------------------------------------------------------------
 
 
@@ -416,6 +429,10 @@ BAD_INPUTS = [
      {"prompt": "hi", "logit_bias": {str(10**6): 1}}, AUTH, 400, "logit_bias"),
     ("logit_bias value out of range", "/v1/completions",
      {"prompt": "hi", "logit_bias": {"5": 150}}, AUTH, 400, "logit_bias"),
+    ("min_p out of range", "/v1/completions", {"prompt": "hi", "min_p": -0.1}, AUTH, 400,
+     "min_p"),
+    ("min_tokens over max_tokens", "/v1/completions",
+     {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, AUTH, 400, "min_tokens"),
     ("negative temperature", "/v1/completions", {"prompt": "hi", "temperature": -1}, AUTH, 400,
      None),
     ("token id out of range", "/v1/completions", {"prompt": [1, 10**9]}, AUTH, 400, "prompt"),

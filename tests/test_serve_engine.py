@@ -188,6 +188,22 @@ def test_prefix_cache_hits_give_the_same_tokens_and_are_counted(engine: LLMEngin
     assert after.prefix_cache_queries - before.prefix_cache_queries == 2 * len(prompt)
 
 
+def test_min_tokens_holds_off_eos_as_transformers_min_new_tokens(
+    engine: LLMEngine, hf_model: torch.nn.Module
+) -> None:
+    prompt = encode(engine, "Describe the ocean at night in three sentences.")
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    (plain,) = engine.generate([prompt], params)
+    assert plain[-1] in engine.eos_token_ids and len(plain) < 5, "greedy ends at once here"
+    (held,) = engine.generate([prompt], replace(params, min_tokens=5))
+    with torch.inference_mode():
+        out = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=5, do_sample=False
+        )
+    assert held == out[0, len(prompt) :].tolist()
+    assert len(held) >= 5 and not set(held[:5]) & engine.eos_token_ids
+
+
 def test_identical_prompts_admitted_together_compute_their_full_blocks_once(
     engine: LLMEngine, hf_model: torch.nn.Module, smollm2_checkpoint: Path
 ) -> None:

@@ -1,9 +1,10 @@
-"""The batched sampler: greedy, top-k/top-p filtering, seeded and shared random draws, logprobs,
-logit bias and the presence, frequency and repetition penalties."""
+"""The batched sampler: greedy, top-k/top-p/min-p filtering, seeded and shared random draws,
+logprobs, logit bias, min_tokens and the presence, frequency and repetition penalties."""
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from qpipe.serve.layers.penalties import apply_penalties
 from qpipe.serve.layers.sampler import sample
 from qpipe.serve.sampling_params import SamplingParams
 from qpipe.serve.sequence import Sequence
+
+NO_EOS: frozenset[int] = frozenset()
 
 
 def logits_batch(rows: int) -> torch.Tensor:
@@ -44,7 +47,7 @@ def test_filters_keep_only_allowed_tokens() -> None:
         SamplingParams(temperature=1.5, top_k=5),
     ]
     for _ in range(5):
-        tokens, logprobs = sample(logits, seqs_for(params))
+        tokens, logprobs = sample(logits, seqs_for(params), NO_EOS)
         best = logits.argmax(-1).tolist()
         assert tokens[:3] == best[:3]
         assert tokens[3] in logits[3].topk(5).indices.tolist()
@@ -55,7 +58,7 @@ def test_seeded_rows_repeat_and_shared_rows_vary() -> None:
     logits = logits_batch(2)
     params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.0)]
     draws = [
-        sample(logits, seqs_for(params, [torch.Generator().manual_seed(7), None]))[0]
+        sample(logits, seqs_for(params, [torch.Generator().manual_seed(7), None]), NO_EOS)[0]
         for _ in range(20)
     ]
     assert len({d[0] for d in draws}) == 1
@@ -64,7 +67,8 @@ def test_seeded_rows_repeat_and_shared_rows_vary() -> None:
 
 def test_logprobs_hold_the_chosen_and_the_top_tokens() -> None:
     logits = logits_batch(1)
-    tokens, logprobs = sample(logits, seqs_for([SamplingParams(temperature=0.0, logprobs=3)]))
+    params = [SamplingParams(temperature=0.0, logprobs=3)]
+    tokens, logprobs = sample(logits, seqs_for(params), NO_EOS)
     expected = torch.log_softmax(logits[0], -1)
     (entry,) = logprobs
     assert set(entry) == set(expected.topk(3).indices.tolist()) and tokens[0] in entry
@@ -88,7 +92,7 @@ def test_penalties_and_bias_follow_the_documented_rules_row_by_row() -> None:
         SamplingParams(repetition_penalty=0.6, frequency_penalty=1.5, presence_penalty=2.0),
     ]
     before = logits.clone()
-    adjusted = apply_penalties(logits, seqs_for(params, histories=histories))
+    adjusted = apply_penalties(logits, seqs_for(params, histories=histories), NO_EOS)
     assert torch.equal(logits, before), "the raw logits stay as they were, for logprobs"
 
     expected = logits.clone()
@@ -103,7 +107,7 @@ def test_penalties_and_bias_follow_the_documented_rules_row_by_row() -> None:
             expected[row, token] -= count * p.frequency_penalty + p.presence_penalty
     assert torch.equal(adjusted, expected)
     assert not torch.equal(adjusted[0], logits[0]) and torch.equal(adjusted[2], logits[2])
-    assert apply_penalties(logits, seqs_for([SamplingParams()] * 4)) is logits
+    assert apply_penalties(logits, seqs_for([SamplingParams()] * 4), NO_EOS) is logits
 
 
 def test_greedy_follows_the_bias_and_logprobs_stay_those_of_the_model() -> None:
@@ -115,7 +119,7 @@ def test_greedy_follows_the_bias_and_logprobs_stay_those_of_the_model() -> None:
     ]
     best = int(logits[1].argmax())
     seqs = seqs_for(params, histories=[([1], []), ([1], [best] * 40)])
-    tokens, logprobs = sample(logits, seqs)
+    tokens, logprobs = sample(logits, seqs, NO_EOS)
     assert tokens[0] == weakest
     assert tokens[1] != best, "40 repeats at frequency_penalty 2 push the argmax down"
     raw = torch.log_softmax(logits, -1)
@@ -131,8 +135,38 @@ def test_greedy_follows_the_bias_and_logprobs_stay_those_of_the_model() -> None:
         ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
         ({"logit_bias": ((3, 101.0),)}, "logit_bias maps"),
         ({"logit_bias": ((-1, 1.0),)}, "logit_bias maps"),
+        ({"min_p": 1.5}, "min_p must be in"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens must be in"),
     ],
 )
 def test_out_of_range_penalties_and_bias_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_min_p_keeps_the_tokens_within_its_share_of_the_best_one() -> None:
+    logits = logits_batch(1) / 2
+    probs = torch.softmax(logits[0] / 0.7, -1)
+    allowed = set(torch.nonzero(probs >= 0.1 * probs.max()).flatten().tolist())
+    assert 1 < len(allowed) < 50
+    draws = {
+        p.min_p: {sample(logits, seqs_for([p]), NO_EOS)[0][0] for _ in range(300)}
+        for p in (SamplingParams(temperature=0.7, min_p=0.1), SamplingParams(temperature=0.7))
+    }
+    assert draws[0.1] <= allowed and len(draws[0.1]) > 1
+    assert not draws[0.0] <= allowed, "without min_p the tail is drawn too"
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
+    logits = torch.zeros(4, 10)
+    logits[:, 3], logits[:, 7], logits[:, 5] = 9.0, 8.0, 7.0  # EOS 3 first, stop id 7 next
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(7,))
+    rows = [
+        params,  # 1 token so far: both banned
+        replace(params, ignore_eos=True),  # EOS ignored anyway: only the stop id is banned
+        params,  # 2 tokens so far: min_tokens reached
+        replace(params, min_tokens=0),
+    ]
+    histories = [([1], [4]), ([1], [4]), ([1], [4, 4]), ([1], [])]
+    tokens, _ = sample(logits, seqs_for(rows, histories=histories), frozenset({3}))
+    assert tokens == [5, 3, 3, 3]

@@ -146,7 +146,9 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         if not self._accepting or not self.healthy:
             raise EngineUnavailableError("the server is shutting down or its engine failed")
-        detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_token_ids, stop)
+        detokenizer = IncrementalDetokenizer(
+            self.engine.tokenizer, prompt_token_ids, stop, params.min_tokens
+        )
         state = _RequestState(asyncio.get_running_loop(), asyncio.Queue(), detokenizer)
         with self._lock:
             pending_adds = sum(1 for kind, *_ in self._commands if kind == "add")

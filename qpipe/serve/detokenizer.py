@@ -23,13 +23,21 @@ class Tokenizer(Protocol):
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        min_tokens: int = 0,
     ) -> None:
+        """Stop strings are looked for once more than `min_tokens` tokens came (vLLM's rule):
+        text the first `min_tokens` tokens complete cannot stop the request."""
         self._tokenizer = tokenizer
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._token_ids = context
         self._prefix_offset = 0
         self._read_offset = len(context)
+        self._num_output_tokens = 0
+        self._min_tokens = min_tokens
         self._stop = [s for s in stop if s]
         self.text = ""  # all output text decoded so far (cut before a stop string once one is hit)
         self._emitted = 0  # how many characters of `text` were handed out
@@ -41,6 +49,7 @@ class IncrementalDetokenizer:
             if self.stopped:
                 break
             self._token_ids.append(token_id)
+            self._num_output_tokens += 1
             self._decode_next()
         return self._take(hold_back=not self.stopped)
 
@@ -61,7 +70,8 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._token_ids)
         search_from = max(0, len(self.text) - max((len(s) for s in self._stop), default=0) + 1)
         self.text += delta
-        self._check_stop(search_from)
+        if self._num_output_tokens > self._min_tokens:
+            self._check_stop(search_from)
 
     def _check_stop(self, search_from: int) -> None:
         hits = [i for s in self._stop if (i := self.text.find(s, search_from)) >= 0]

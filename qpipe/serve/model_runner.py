@@ -245,7 +245,7 @@ class ModelRunner:
             done += len(block)
         if sampling:
             seqs = [ordered[i].seq for i in sampling]
-            tokens, logprobs = sample(logits[: len(sampling)], seqs)
+            tokens, logprobs = sample(logits[: len(sampling)], seqs, self.eos_token_ids)
             for seq, token, entry in zip(seqs, tokens, logprobs, strict=True):
                 result.sampled[seq.request_id] = (token, entry)
         return result

@@ -28,12 +28,14 @@ class SamplingRequest(_Request):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
     n: int = Field(default=1, ge=1, le=128)
     best_of: int | None = None
     presence_penalty: float = 0.0

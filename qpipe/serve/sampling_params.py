@@ -14,9 +14,11 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one's probability
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS, stop token ids and stop strings count only after this many tokens
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # also {token: logprob} for each prompt token but the first
     # OpenAI's penalties count the generated tokens only; the repetition penalty (HF's and vLLM's)
@@ -39,6 +41,13 @@ class SamplingParams:
             )
         if self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:
@@ -68,10 +77,12 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the token history or a bias changes the logits before the choice."""
+        """Whether the token history, a bias or `min_tokens` changes the logits before the
+        choice."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
+            or self.min_tokens
         )
