@@ -318,6 +318,11 @@ def test_n_choices_penalties_and_logit_bias(tiny_server: RunningServer) -> None:
     assert texts[0] == texts[1] and texts[2] == texts[3] and texts[0] != texts[2]
     assert texts[0].startswith("Alpha beta") and texts[2].startswith("Gamma delta")
     assert two["usage"]["prompt_tokens"] == len(encode("Alpha beta")) + len(encode("Gamma delta"))
+    streamed = {**greedy, "prompt": ["Alpha beta", "Gamma delta"], "n": 2, "stream": True}
+    with httpx.stream("POST", url, json=streamed, headers=AUTH, timeout=60) as response:
+        events = sse_events([line for line in response.iter_lines() if line])
+    pieces = [c for e in events for c in e["choices"]]
+    assert ["".join(c["text"] for c in pieces if c["index"] == i) for i in range(4)] == texts
 
     plain = {**base, "temperature": 0, "logprobs": 0}
     unbiased = post(plain)["choices"][0]["logprobs"]["tokens"]
