@@ -618,6 +618,12 @@ def test_queue_full_gets_503_with_retry_after(tiny_llama_checkpoint: Path) -> No
         rejected = next(r for r in responses if r.status_code == 503)
         assert rejected.headers["retry-after"] == "1"
         assert rejected.json()["error"]["code"] == 503
+        # more choices than the queue can ever hold: a 400, not a 503 to retry forever
+        too_many = httpx.post(
+            f"{running.url}/v1/completions", json={**body, "n": 2}, headers=AUTH, timeout=30
+        )
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+        assert "--max-queue" in too_many.json()["error"]["message"]
         running.assert_idle()
     finally:
         running.stop()

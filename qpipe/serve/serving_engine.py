@@ -191,6 +191,14 @@ class OpenAIServing:
         """One engine request per choice: `n` per prompt, prompt-major, as OpenAI numbers the
         choices. With a seed, choice j draws with seed + j (as vLLM does), so the n choices
         differ and each one can be repeated alone."""
+        needed, limit = len(prompts) * n, self.engine.max_queue
+        if limit is not None and needed > limit:
+            raise APIError(
+                400,
+                f"this request needs {needed} engine requests ({len(prompts)} prompt(s) x n={n}) "
+                f"but the server queues at most {limit} (--max-queue); send fewer choices",
+                param="n",
+            )
         base = uuid.uuid4().hex
         streams: list[RequestStream] = []
         try:
