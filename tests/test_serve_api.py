@@ -737,6 +737,9 @@ def test_serve_command_binds_localhost_and_exits_cleanly(tiny_llama_checkpoint: 
         models = httpx.get(f"{url}/v1/models", headers=AUTH).json()
         assert models["data"][0]["id"] == "cli-tiny"
         assert models["data"][0]["max_model_len"] == 128
+        completion = {"prompt": "Hello , world", "max_tokens": 4, "echo": True}
+        reply = httpx.post(f"{url}/v1/completions", json=completion, headers=AUTH, timeout=30)
+        assert reply.json()["choices"][0]["text"].startswith("Hello , world"), reply.text
         outside = _non_loopback_address()
         if outside is not None:  # bound to 127.0.0.1 only: the host's own address is refused
             with pytest.raises(httpx.ConnectError):
@@ -747,6 +750,7 @@ def test_serve_command_binds_localhost_and_exits_cleanly(tiny_llama_checkpoint: 
     # NOTE: uvicorn re-raises the signal it caught once its graceful shutdown is done
     assert proc.returncode in (0, -signal.SIGTERM), output
     assert "Application shutdown complete" in output
+    assert "clean_up_tokenization_spaces" not in output, "no transformers warning on decode"
     logged = re.search(
         r"KV cache: (\d+) blocks of 16 tokens \(([\d.]+) GiB\); max concurrency at "
         r"max_model_len 128: ([\d.]+)",

@@ -7,7 +7,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        # NOTE: transformers 5 skips this clean-up for BPE vocabularies (the whole Llama family)
+        # and then warns, on the first decode, that it would have been destructive; asking for
+        # none gives the same text without a warning that reads like corrupted output
+        return AutoTokenizer.from_pretrained(model_dir, clean_up_tokenization_spaces=False)
     except (OSError, ValueError) as err:
         raise ValueError(
             f"{model_dir}: no usable tokenizer ({err}); copy tokenizer.json and "
