@@ -1,8 +1,9 @@
 """Turns the last-token logits of a batch into next tokens, batched across requests.
 
-Bias and penalties first adjust the logits of the requests that ask for them. Greedy rows then
-take the argmax; the others are tempered, top-k/top-p filtered and sampled. Requests with a seed
-draw from their own generator (kept on the sequence); the rest share one batched draw.
+Bias, penalties and `min_tokens` first adjust the logits of the requests that ask for them.
+Greedy rows then take the argmax; the others are tempered, min-p/top-k/top-p filtered and sampled.
+Requests with a seed draw from their own generator (kept on the sequence); the rest share one
+batched draw.
 """
 
 from __future__ import annotations
