@@ -2,14 +2,18 @@
 batch at once.
 
 They run on the logits before the token is chosen (greedy included) and in vLLM's order: bias and
-the ban on ending before `min_tokens`, then repetition, then frequency and presence. Each step
-rebuilds the token counts from the sequences' token lists, so a request preempted and recomputed
-resumes with the same counts. A handful of batched ops whatever the number of rows: one launch
-each on a GPU, not one per request.
+the ban on ending before `min_tokens`, then repetition, then frequency and presence. Only the
+logits of tokens a request has seen or biased change, so the work is gathered and scattered at
+those (row, token) pairs, a few batched ops whatever the number of rows; elementwise passes over
+[rows, vocab] cost ~1 ms each on a 2-core CPU and made a 32-row step ~48 ms slower. The counts are
+rebuilt from the sequences' token lists each step, so a request preempted and recomputed resumes
+with the same ones.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,17 +21,6 @@ import torch
 if TYPE_CHECKING:
     from qpipe.serve.sampling_params import SamplingParams
     from qpipe.serve.sequence import Sequence
-
-
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] fp32: how often each token occurs in each list."""
-    width = max(len(tokens) for tokens in token_lists)
-    # pads point one past the vocabulary, a column dropped at the end
-    padded = [tokens + [vocab] * (width - len(tokens)) for tokens in token_lists]
-    ids = torch.tensor(padded, dtype=torch.long).to(device)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
-    return counts[:, :vocab]
 
 
 def apply_penalties(
@@ -40,38 +33,55 @@ def apply_penalties(
     if not rows:
         return logits
     device, vocab = logits.device, logits.shape[1]
-    params = [seqs[i].params for i in rows]
-    index = torch.tensor(rows, device=device)
-    picked = logits[index]  # a copy
-    bias = [(r, t, v) for r, p in enumerate(params) for t, v in p.logit_bias]
-    if bias:
-        r, t, v = zip(*bias, strict=True)
-        where = (torch.tensor(r, device=device), torch.tensor(t, device=device))
-        picked.index_put_(where, torch.tensor(v, device=device), accumulate=True)
+    adjusted = logits.clone()
+    bias = [(i, t, v) for i in rows for t, v in seqs[i].params.logit_bias]
+    _put(adjusted, bias, accumulate=True)
     banned = [
-        (r, token)
-        for r, i in enumerate(rows)
-        if seqs[i].num_completion_tokens < params[r].min_tokens
-        for token in _ending_tokens(params[r], eos_token_ids)
+        (i, token, float("-inf"))
+        for i in rows
+        if seqs[i].num_completion_tokens < seqs[i].params.min_tokens
+        for token in _ending_tokens(seqs[i].params, eos_token_ids)
         if token < vocab
     ]
-    if banned:
-        r, t = zip(*banned, strict=True)
-        picked[torch.tensor(r, device=device), torch.tensor(t, device=device)] = float("-inf")
-    if any(p.repetition_penalty != 1.0 for p in params):
-        seen = _token_counts([seqs[i].token_ids for i in rows], vocab, device) > 0
-        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-        # HF's rule: a seen token's positive logit shrinks, a negative one grows more negative
-        scaled = torch.where(picked > 0, picked / penalty, picked * penalty)
-        picked = torch.where(seen, scaled, picked)
-    if any(p.frequency_penalty or p.presence_penalty for p in params):
-        counts = _token_counts([seqs[i].completion_token_ids for i in rows], vocab, device)
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-        picked -= frequency * counts + presence * (counts > 0)
-    adjusted = logits.clone()
-    adjusted[index] = picked
+    _put(adjusted, banned, accumulate=False)
+    repeating = [i for i in rows if seqs[i].params.repetition_penalty != 1.0]
+    if repeating:  # HF's rule: a seen token's positive logit shrinks, a negative one grows
+        which, tokens = _flatten([list(set(seqs[i].token_ids)) for i in repeating])
+        where = (torch.tensor(repeating)[which].to(device), tokens.to(device))
+        penalty = torch.tensor([seqs[i].params.repetition_penalty for i in repeating])
+        penalty = penalty[which].to(device)
+        values = adjusted[where]
+        adjusted[where] = torch.where(values > 0, values / penalty, values * penalty)
+    counting = [
+        i for i in rows if seqs[i].params.frequency_penalty or seqs[i].params.presence_penalty
+    ]
+    if counting:  # OpenAI's rule: logit -= count x frequency + presence, per generated token
+        counters = [Counter(seqs[i].completion_token_ids) for i in counting]
+        which, tokens = _flatten([list(counter) for counter in counters])
+        counts = torch.tensor([n for c in counters for n in c.values()], dtype=torch.float64)
+        frequency = torch.tensor([seqs[i].params.frequency_penalty for i in counting])
+        presence = torch.tensor([seqs[i].params.presence_penalty for i in counting])
+        delta = -(counts * frequency.double()[which] + presence.double()[which])
+        where = (torch.tensor(counting)[which].to(device), tokens.to(device))
+        adjusted.index_put_(where, delta.to(device, adjusted.dtype), accumulate=True)
     return adjusted
+
+
+def _flatten(per_row: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens listed per row, flat, and which row's list each came from (CPU tensors)."""
+    lengths = torch.tensor([len(tokens) for tokens in per_row])
+    which = torch.repeat_interleave(torch.arange(len(per_row)), lengths)
+    return which, torch.tensor(list(chain.from_iterable(per_row)), dtype=torch.long)
+
+
+def _put(logits: torch.Tensor, entries: list[tuple[int, int, float]], accumulate: bool) -> None:
+    """logits[row, token] += value (or = value) for each (row, token, value)."""
+    if not entries:
+        return
+    r, t, v = zip(*entries, strict=True)
+    device = logits.device
+    where = (torch.tensor(r, device=device), torch.tensor(t, device=device))
+    logits.index_put_(where, torch.tensor(v, device=device), accumulate=accumulate)
 
 
 def _ending_tokens(params: SamplingParams, eos_token_ids: frozenset[int]) -> set[int]:
