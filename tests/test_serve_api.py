@@ -397,6 +397,11 @@ def test_tokenize_health_and_models(tiny_server: RunningServer) -> None:
     ).json()
     assert tokens["tokens"] == tiny_server.engine.tokenizer.encode("hello world")
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 256
+    text = httpx.post(
+        f"{tiny_server.url}/detokenize", json={"tokens": tokens["tokens"]}, headers=AUTH
+    ).json()
+    assert text == {"prompt": tiny_server.engine.tokenizer.decode(tokens["tokens"])}
+    assert text["prompt"].endswith("hello world")
     assert httpx.get(f"{tiny_server.url}/health").status_code == 200
     models = httpx.get(f"{tiny_server.url}/v1/models", headers=AUTH).json()
     assert models["data"][0]["max_model_len"] == 256
@@ -436,6 +441,9 @@ BAD_INPUTS = [
      {"prompt": "hi", "logit_bias": {"5": 150}}, AUTH, 400, "logit_bias"),
     ("min_p out of range", "/v1/completions", {"prompt": "hi", "min_p": -0.1}, AUTH, 400,
      "min_p"),
+    ("detokenize id outside the vocabulary", "/detokenize", {"tokens": [1, 10**6]}, AUTH, 400,
+     "tokens"),
+    ("detokenize without tokens", "/detokenize", {}, AUTH, 400, "tokens"),
     ("min_tokens over max_tokens", "/v1/completions",
      {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, AUTH, 400, "min_tokens"),
     ("negative temperature", "/v1/completions", {"prompt": "hi", "temperature": -1}, AUTH, 400,

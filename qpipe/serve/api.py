@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI routes, health, metrics, tokenize; errors as OpenAI error objects.
+"""The FastAPI app: OpenAI routes, health, metrics, (de)tokenize; errors as OpenAI error objects.
 
 FastAPI answers bad bodies with 422 and its own shape; OpenAI clients expect 400 and
 `{"error": {...}}`, so validation errors and HTTP errors are re-rendered here.
@@ -23,6 +23,8 @@ from qpipe.serve.metrics import CONTENT_TYPE
 from qpipe.serve.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -147,6 +149,13 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         else:
             ids = chat.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=chat.max_model_len)
+
+    @app.post("/detokenize", dependencies=authed)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        chat.check_model(body.model)
+        if any(not 0 <= t < chat.vocab_size for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {chat.vocab_size})", param="tokens")
+        return DetokenizeResponse(prompt=chat.tokenizer.decode(body.tokens))
 
     @app.get("/health")
     async def health() -> Response:

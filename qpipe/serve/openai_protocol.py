@@ -86,6 +86,15 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
 
 
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
