@@ -153,8 +153,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/detokenize", dependencies=authed)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         chat.check_model(body.model)
-        if any(not 0 <= t < chat.vocab_size for t in body.tokens):
-            raise APIError(400, f"token ids must be in [0, {chat.vocab_size})", param="tokens")
+        chat.check_token_ids(body.tokens, "tokens")
         return DetokenizeResponse(prompt=chat.tokenizer.decode(body.tokens))
 
     @app.get("/health")

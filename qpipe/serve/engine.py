@@ -85,12 +85,11 @@ class LLMEngine:
                 f"request {request_id!r}: prompt has {len(prompt_token_ids)} tokens but "
                 f"max_model_len is {self.max_model_len}; shorten the prompt"
             )
-        vocab = self.vocab_size
-        outside = [token for token, _ in params.logit_bias if token >= vocab]
+        outside = [token for token, _ in params.logit_bias if token >= self.vocab_size]
         if outside:
             raise ValueError(
                 f"request {request_id!r}: logit_bias names token ids {outside} outside this "
-                f"model's vocabulary of {vocab}"
+                f"model's vocabulary of {self.vocab_size}"
             )
         seq = Sequence(
             request_id, prompt_token_ids, params, self.model_runner.new_generator(params)

@@ -36,14 +36,12 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = list(prompt)  # type: ignore[arg-type]
         if not prompts:
             raise APIError(400, "prompt is empty", param="prompt")
-        vocab = len(self.tokenizer)
         token_lists = []
         for p in prompts:
             ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
             if not ids:
                 raise APIError(400, "prompt is empty: it encodes to no tokens", param="prompt")
-            if any(not 0 <= t < vocab for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            self.check_token_ids(ids, "prompt")
             token_lists.append(ids)
         return token_lists
 

@@ -93,6 +93,13 @@ class OpenAIServing:
                 param="model",
             )
 
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """Token ids a client sends to be decoded must be the tokenizer's (a model's vocabulary
+        may be padded past it)."""
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(400, f"{param}: token ids must be in [0, {vocab})", param=param)
+
     def check_unsupported(self, body: SamplingRequest) -> None:
         if body.best_of not in (None, body.n):
             raise APIError(
@@ -204,8 +211,9 @@ class OpenAIServing:
         try:
             for i, ids in enumerate(prompts):
                 for j in range(n):
-                    seed = None if params.seed is None else params.seed + j
-                    choice = replace(params, seed=seed)
+                    choice = params
+                    if params.seed is not None:
+                        choice = replace(params, seed=params.seed + j)
                     request_id = f"{base}-{i * n + j}"
                     streams.append(self.engine.add_request(request_id, ids, choice, stop))
         except QueueFullError as exc:

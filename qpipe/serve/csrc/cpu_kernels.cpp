@@ -855,6 +855,21 @@ bool values_in_tiles(const at::Tensor& packed_weight) {
   return packed_weight.scalar_type() == at::kChar && !packed_weight.is_mkldnn();
 }
 
+// out = (q @ w.T) * weight_scale [* row_scales] [+ bias] for a weight whose int8 values are in
+// tiles (`values_in_tiles`), q the activations' int8 values as floats: the scales and the bias go
+// in the tiles' epilogue, rounded once to out's dtype.
+void tiles_int8_product(at::Tensor& out, const at::Tensor& q, const at::Tensor& packed_weight,
+                        const at::Tensor& weight_scale, const float* row_scales,
+                        const float* bias) {
+  const int64_t rows = q.size(0), k = q.size(1), n = out.size(1);
+  dispatch(out, "int8_linear", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    tiles_product(ptr<T>(out), q.data_ptr<float>(), rows, k, n, packed_weight.size(0),
+                  packed_weight.data_ptr<int8_t>(), nullptr, nullptr, k, bias,
+                  Epilogue{weight_scale.data_ptr<float>(), row_scales});
+  });
+}
+
 // x quantized per token: its int8 values (as floats for a weight in tiles) and their scales.
 std::pair<at::Tensor, at::Tensor> quantized(const at::Tensor& x, bool as_floats) {
   const int64_t rows = x.size(0);
@@ -876,11 +891,8 @@ std::pair<at::Tensor, at::Tensor> quantized(const at::Tensor& x, bool as_floats)
 at::Tensor int8_product(const at::Tensor& q, const at::Tensor& packed_weight,
                         const at::Tensor& weight_scale, const at::Tensor& zero_points) {
   if (values_in_tiles(packed_weight)) {
-    const int64_t rows = q.size(0), k = q.size(1), n = weight_scale.numel();
-    at::Tensor out = at::empty({rows, n}, q.options());
-    tiles_product(out.data_ptr<float>(), q.data_ptr<float>(), rows, k, n, packed_weight.size(0),
-                  packed_weight.data_ptr<int8_t>(), nullptr, nullptr, k,
-                  static_cast<const float*>(nullptr), Epilogue{weight_scale.data_ptr<float>()});
+    at::Tensor out = at::empty({q.size(0), weight_scale.numel()}, q.options());
+    tiles_int8_product(out, q, packed_weight, weight_scale, nullptr, nullptr);
     return out;
   }
   if (packed_weight.scalar_type() == at::kFloat) {
@@ -913,14 +925,8 @@ void scaled_int8_product(at::Tensor& out, const at::Tensor& q, const at::Tensor&
   }
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || bias->scalar_type() == at::kFloat, "bias must be float32");
-  const int64_t rows = q.size(0), k = q.size(1), n = out.size(1);
-  dispatch(out, "int8_linear", [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    tiles_product(ptr<T>(out), q.data_ptr<float>(), rows, k, n, packed_weight.size(0),
-                  packed_weight.data_ptr<int8_t>(), nullptr, nullptr, k,
-                  has_bias ? bias->data_ptr<float>() : nullptr,
-                  Epilogue{weight_scale.data_ptr<float>(), row_scales.data_ptr<float>()});
-  });
+  tiles_int8_product(out, q, packed_weight, weight_scale, row_scales.data_ptr<float>(),
+                     has_bias ? bias->data_ptr<float>() : nullptr);
 }
 
 // The whole W8A8 layer in one op: quantize per token, the int8 product with the per-channel
