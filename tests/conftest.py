@@ -35,6 +35,20 @@ def tiny_llama_checkpoint(smollm2_checkpoint: Path) -> Path:
     return tiny_llama(TEST_CACHE, smollm2_checkpoint)
 
 
+@pytest.fixture(scope="module")
+def smollm2_engine(smollm2_checkpoint: Path):  # noqa: ANN201 - an LLMEngine, imported lazily
+    """SmolLM2 in fp32 on a 0.1 GiB KV cache, max_model_len 512: one per test module."""
+    from qpipe.serve.config import EngineConfig
+    from qpipe.serve.engine import LLMEngine
+
+    return LLMEngine(
+        EngineConfig(
+            model=str(smollm2_checkpoint), dtype="float32", kv_cache_memory_gib=0.1,
+            max_model_len=512,
+        )
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     return SHARED_DATA

@@ -22,6 +22,7 @@ import pytest
 import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel
 
 from qpipe.serve.api import ServerSettings, build_app
 from qpipe.serve.async_engine import AsyncLLMEngine, EngineUnavailableError, QueueFullError
@@ -391,6 +392,48 @@ def test_lm_eval_loglikelihood_through_the_server(
         assert greedy == bool((logprobs.argmax(-1) == torch.tensor(continuation_ids)).all())
 
 
+def test_structured_outputs_over_http(tiny_server: RunningServer) -> None:
+    """vLLM's `structured_outputs` and OpenAI's `response_format` hold the random model's output
+    to the constraint, on completions and chat, streamed or not, for every sampled choice."""
+    url = f"{tiny_server.url}/v1/completions"
+    base = {"model": MODEL, "prompt": "The answer is", "max_tokens": 24, "temperature": 1.0}
+
+    def post(body: dict, path: str = url) -> dict:
+        response = httpx.post(path, json=body, headers=AUTH, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    choices = ["alpha", "beta gamma", 'a "quoted" one']
+    picked = post({**base, "n": 6, "seed": 3, "structured_outputs": {"choice": choices}})
+    assert all(c["text"] in choices and c["finish_reason"] == "stop" for c in picked["choices"])
+    assert len({c["text"] for c in picked["choices"]}) > 1, "sampled, not forced to one"
+    free = post({**base, "n": 6, "seed": 3})["choices"]
+    assert not any(c["text"] in choices for c in free), "the random model never says them alone"
+
+    regex = r"[a-c]{2}-\d{3}"
+    body = {**base, "temperature": 0, "structured_outputs": {"regex": regex}}
+    text = post(body)["choices"][0]["text"]
+    assert re.fullmatch(regex, text), text
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=AUTH, timeout=60) as r:
+        events = sse_events([line for line in r.iter_lines() if line])
+    assert "".join(c["text"] for e in events for c in e["choices"]) == text
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 64,
+            "temperature": 0, "response_format": {"type": "json_schema",
+            "json_schema": {"name": "flag", "schema": schema}}}  # fmt: skip
+    chat_url = f"{tiny_server.url}/v1/chat/completions"
+    reply = post(chat, chat_url)["choices"][0]
+    assert list(json.loads(reply["message"]["content"])) == ["ok"], reply
+    assert reply["finish_reason"] == "stop"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    declined = post({**chat, "tools": [tool], "tool_choice": "none"}, chat_url)["choices"][0]
+    assert declined["message"] == reply["message"], "tools that are declined change nothing"
+    tiny_server.assert_idle()
+
+
 def test_tokenize_health_and_models(tiny_server: RunningServer) -> None:
     tokens = httpx.post(
         f"{tiny_server.url}/tokenize", json={"prompt": "hello world"}, headers=AUTH
@@ -449,6 +492,27 @@ BAD_INPUTS = [
     ("negative temperature", "/v1/completions", {"prompt": "hi", "temperature": -1}, AUTH, 400,
      None),
     ("token id out of range", "/v1/completions", {"prompt": [1, 10**9]}, AUTH, 400, "prompt"),
+    ("regex that does not compile", "/v1/completions",
+     {"prompt": "hi", "structured_outputs": {"regex": "(ab"}}, AUTH, 400, "structured_outputs"),
+    ("json schema that does not compile", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema",
+      "json_schema": {"name": "x", "schema": {"type": "thing"}}}}, AUTH, 400, "response_format"),
+    ("json_schema format without a schema", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
+     AUTH, 400, "response_format"),
+    ("two structured output constraints", "/v1/completions",
+     {"prompt": "hi", "response_format": {"type": "json_object"},
+      "structured_outputs": {"regex": "a+"}}, AUTH, 400, "structured_outputs"),
+    ("empty choice list", "/v1/completions",
+     {"prompt": "hi", "structured_outputs": {"choice": []}}, AUTH, 400, "structured_outputs"),
+    ("unknown response_format type", "/v1/completions",
+     {"prompt": "hi", "response_format": {"type": "xml"}}, AUTH, 400, "response_format.type"),
+    ("min_tokens with a structured output", "/v1/completions",
+     {"prompt": "hi", "min_tokens": 2, "response_format": {"type": "json_object"}}, AUTH, 400,
+     "min_tokens"),
+    ("tools without tool_choice none", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function",
+      "function": {"name": "f", "parameters": {"type": "object"}}}]}, AUTH, 400, "tools"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, AUTH, 400, "messages"),
     ("bad role", "/v1/chat/completions", {"messages": [{"role": "x", "content": "hi"}]}, AUTH,
      400, "messages.0.role"),
@@ -823,6 +887,24 @@ def test_smollm2_openai_client_end_to_end(smollm2_checkpoint: Path) -> None:
         assert [c.index for c in samples.choices] == [0, 1, 2]
         assert len({c.message.content for c in samples.choices}) > 1
         assert samples.usage.prompt_tokens == prompt_ids.shape[1]
+
+        class City(BaseModel):  # the client sends it as a strict json_schema response_format
+            name: str
+            country: str
+
+        parsed = client.chat.completions.parse(
+            model="smollm2", messages=messages, max_tokens=40, temperature=0, response_format=City
+        )
+        city = parsed.choices[0].message.parsed
+        assert isinstance(city, City), parsed.choices[0].message.content  # pydantic-validated
+        assert parsed.choices[0].finish_reason == "stop"
+        ask = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+        json_mode = client.chat.completions.create(
+            model="smollm2", messages=ask, max_tokens=40, temperature=0,
+            response_format={"type": "json_object"},
+        )  # fmt: skip
+        assert isinstance(json.loads(json_mode.choices[0].message.content), dict)
+        assert json_mode.choices[0].finish_reason == "stop"
         running.assert_idle()
     finally:
         running.stop()

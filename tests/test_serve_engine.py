@@ -32,13 +32,8 @@ SHARED_PREFIX = (
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_checkpoint: Path) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=str(smollm2_checkpoint), dtype="float32", kv_cache_memory_gib=0.1,
-            max_model_len=512,
-        )
-    )  # fmt: skip
+def engine(smollm2_engine: LLMEngine) -> LLMEngine:
+    return smollm2_engine
 
 
 @pytest.fixture(autouse=True)

@@ -55,6 +55,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from qpipe.serve.model_runner import ModelRunner
         from qpipe.serve.scheduler import Scheduler
+        from qpipe.serve.structured_output import GrammarCompiler
         from qpipe.serve.tokenizer import load_tokenizer
 
         self.config = config
@@ -63,6 +64,7 @@ class LLMEngine:
         self.max_model_len: int = self.model_runner.max_model_len
         self.eos_token_ids: frozenset[int] = self.model_runner.eos_token_ids
         self.vocab_size: int = self.model_runner.vocab_size
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(
             config,
             num_blocks=self.model_runner.num_kv_blocks,
@@ -74,8 +76,8 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
         """Queue a request. Raises ValueError for an id in use, an empty prompt, a prompt that
-        leaves no room to generate within `max_model_len`, or a logit bias outside the
-        vocabulary."""
+        leaves no room to generate within `max_model_len`, a logit bias outside the
+        vocabulary, or a structured output that does not compile."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -91,8 +93,13 @@ class LLMEngine:
                 f"request {request_id!r}: logit_bias names token ids {outside} outside this "
                 f"model's vocabulary of {self.vocab_size}"
             )
+        spec = params.structured_output
         seq = Sequence(
-            request_id, prompt_token_ids, params, self.model_runner.new_generator(params)
+            request_id,
+            prompt_token_ids,
+            params,
+            self.model_runner.new_generator(params),
+            None if spec is None else self.grammars.matcher(spec),
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)

@@ -1,15 +1,16 @@
 """OpenAI-compatible request and response bodies for the built-in server.
 
 Requests ignore fields qpipe does not know (clients send `user`, `metadata`, ...), but the fields
-that would change the output and that qpipe cannot honour (`best_of` other than `n`, `suffix`) are
-rejected by the API with a 400 that says so, never silently dropped.
+that would change the output and that qpipe cannot honour (`best_of` other than `n`, `suffix`,
+`tools` unless `tool_choice` is "none") are rejected by the API with a 400 that says so, never
+silently dropped.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,6 +21,31 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")  # `schema` would shadow BaseModel's
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: one of a JSON schema (or its JSON text), a regex, a list of
+    choices, an EBNF grammar, or any JSON."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingRequest(_Request):
@@ -42,6 +68,8 @@ class SamplingRequest(_Request):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's extension: HF's rule over prompt and output
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> added logit
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -76,6 +104,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # only to refuse them: tool calling is not served
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Request):

@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint the output's text must satisfy (`structured_output.py` enforces it):
+    `value` is the JSON schema as JSON text, the regex, or the EBNF grammar; unused for
+    `json_object` (any JSON object, OpenAI's JSON mode)."""
+
+    kind: Literal["json_object", "json_schema", "regex", "grammar"]
+    value: str = ""
 
 
 @dataclass(frozen=True)
@@ -27,6 +38,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -70,6 +82,11 @@ class SamplingParams:
                     f"got {token}: {value}"
                 )
         object.__setattr__(self, "logit_bias", bias)
+        if self.structured_output is not None and self.min_tokens:
+            raise ValueError(
+                "SamplingParams.min_tokens cannot be combined with a structured output: the "
+                "grammar decides where the output ends"
+            )
 
     @property
     def greedy(self) -> bool:

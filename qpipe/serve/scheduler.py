@@ -133,6 +133,9 @@ class Scheduler:
                 continue
             token_id, logprobs = sampled[seq.request_id]
             seq.token_ids.append(token_id)
+            if seq.grammar is not None:
+                accepted = seq.grammar.accept_token(token_id)
+                assert accepted, "the sampler keeps to the grammar's bitmask"
             reason = self._finish_reason(seq, token_id, eos_token_ids)
             if reason is not None:
                 self.running.remove(seq)
@@ -146,6 +149,8 @@ class Scheduler:
         if token_id in params.stop_token_ids or (
             not params.ignore_eos and token_id in eos_token_ids
         ):
+            return "stop"
+        if seq.grammar is not None and seq.grammar.is_terminated():
             return "stop"
         if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -10,6 +10,7 @@ from qpipe.serve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+    import xgrammar
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -27,6 +28,7 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams,
         generator: torch.Generator | None = None,
+        grammar: xgrammar.GrammarMatcher | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -35,6 +37,8 @@ class Sequence:
         # NOTE: the generator lives with the sequence, so a preempted request resumes its random
         # stream where it stopped and a seeded request gives the same tokens whatever the batch.
         self.generator = generator
+        # a structured output's matcher: fed every output token, so it also survives preemption
+        self.grammar = grammar
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks registered so far

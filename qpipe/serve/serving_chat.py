@@ -6,7 +6,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from qpipe.serve.api_errors import as_api_error
+from qpipe.serve.api_errors import APIError, as_api_error
 from qpipe.serve.async_engine import RequestStream
 from qpipe.serve.openai_protocol import (
     ChatChoice,
@@ -35,6 +35,14 @@ class OpenAIServingChat(OpenAIServing):
     def _prepare(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         self.check_model(body.model)
         self.check_unsupported(body)
+        if body.tools and body.tool_choice != "none":
+            raise APIError(
+                400,
+                "tool calling is not supported by qpipe's server: send tool_choice='none' for a "
+                "text answer, or ask for the call's JSON as a structured output (response_format "
+                "of type json_schema)",
+                param="tools",
+            )
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = self.chat_prompt(messages, body.add_generation_prompt)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -65,6 +73,7 @@ class OpenAIServingChat(OpenAIServing):
         self, body: ChatCompletionRequest, disconnected: Disconnected
     ) -> ChatCompletionResponse | AsyncIterator[bytes]:
         prompt, params = self._prepare(body)
+        await self.compile_structured_output(body, params)
         streams = self.start([prompt], params, body.stop_strings(), body.n)
         if body.stream:
             return self._stream(body, streams, len(prompt))

@@ -91,6 +91,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self, body: CompletionRequest, disconnected: Disconnected
     ) -> CompletionResponse | AsyncIterator[bytes]:
         prompts, params = self._prepare(body)
+        await self.compile_structured_output(body, params)
         n = body.n
         streams = self.start(prompts, params, body.stop_strings(), n)
         echoes = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]

@@ -8,6 +8,7 @@ Everything a client can get wrong is checked before the engine sees the request,
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -21,7 +22,8 @@ from qpipe.serve.async_engine import (
     RequestStream,
 )
 from qpipe.serve.openai_protocol import SamplingRequest, UsageInfo
-from qpipe.serve.sampling_params import SamplingParams
+from qpipe.serve.sampling_params import SamplingParams, StructuredOutput
+from qpipe.serve.structured_output import choice_grammar
 
 Disconnected = Callable[[], Awaitable[None]]  # returns once the client has gone away
 
@@ -126,6 +128,47 @@ class OpenAIServing:
             pairs.append((token, value))
         return tuple(pairs)
 
+    def structured_output(self, body: SamplingRequest) -> StructuredOutput | None:
+        """The request's constraint on its output: OpenAI's `response_format` or vLLM's
+        `structured_outputs` (one constraint, from one of them)."""
+        fmt, extra = body.response_format, body.structured_outputs
+        specs: list[tuple[str, StructuredOutput]] = []
+        if fmt is not None and fmt.type == "json_object":
+            specs.append(("response_format", StructuredOutput("json_object")))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise APIError(
+                    400,
+                    "response_format of type json_schema needs json_schema.schema",
+                    param="response_format",
+                )
+            schema = json.dumps(fmt.json_schema.json_schema)
+            specs.append(("response_format", StructuredOutput("json_schema", schema)))
+        if extra is not None:
+            param = "structured_outputs"
+            if extra.json_ is not None:
+                schema = extra.json_ if isinstance(extra.json_, str) else json.dumps(extra.json_)
+                specs.append((param, StructuredOutput("json_schema", schema)))
+            if extra.regex is not None:
+                specs.append((param, StructuredOutput("regex", extra.regex)))
+            if extra.choice is not None:
+                try:
+                    specs.append((param, StructuredOutput("grammar", choice_grammar(extra.choice))))
+                except ValueError as exc:
+                    raise APIError(400, f"structured_outputs: {exc}", param=param) from exc
+            if extra.grammar is not None:
+                specs.append((param, StructuredOutput("grammar", extra.grammar)))
+            if extra.json_object:
+                specs.append((param, StructuredOutput("json_object")))
+        if len(specs) > 1:
+            raise APIError(
+                400,
+                "give one structured output constraint: response_format, or one of "
+                "structured_outputs' json, regex, choice, grammar and json_object",
+                param=specs[-1][0],
+            )
+        return specs[0][1] if specs else None
+
     def sampling_params(
         self,
         body: SamplingRequest,
@@ -172,6 +215,7 @@ class OpenAIServing:
                 frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty,
                 logit_bias=self.logit_bias(body),
+                structured_output=self.structured_output(body),
             )
         except ValueError as exc:
             message = str(exc).removeprefix("SamplingParams.")  # which starts with the field
@@ -191,6 +235,23 @@ class OpenAIServing:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- generation -----------------------------------------------------------------------------
+
+    async def compile_structured_output(
+        self, body: SamplingRequest, params: SamplingParams
+    ) -> None:
+        """Compiles the request's structured output, if any, in a worker thread: a schema can
+        take a while, and the first one imports xgrammar (~2 s), which would stall every stream
+        on the event loop. The engine thread then finds it in the compiler's cache. One that
+        does not compile is a 400."""
+        spec = params.structured_output
+        if spec is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.engine.grammars.compile, spec)
+        except ValueError as exc:
+            fmt = body.response_format
+            param = "structured_outputs" if fmt is None or fmt.type == "text" else "response_format"
+            raise APIError(400, str(exc), param=param) from exc
 
     def start(
         self, prompts: list[list[int]], params: SamplingParams, stop: list[str], n: int = 1

@@ -1,6 +1,7 @@
 """Turns the last-token logits of a batch into next tokens, batched across requests.
 
-Bias, penalties and `min_tokens` first adjust the logits of the requests that ask for them.
+Bias, penalties and `min_tokens` first adjust the logits of the requests that ask for them, then
+a structured output's grammar rules out the tokens that would break it.
 Greedy rows then take the argmax; the others are tempered, min-p/top-k/top-p filtered and sampled.
 Requests with a seed draw from their own generator (kept on the sequence); the rest share one
 batched draw.
@@ -14,6 +15,7 @@ import torch
 
 from qpipe.serve.layers.penalties import apply_penalties
 from qpipe.serve.sampling_params import SamplingParams
+from qpipe.serve.structured_output import apply_grammars
 
 if TYPE_CHECKING:
     from qpipe.serve.sequence import Sequence
@@ -24,10 +26,10 @@ def sample(
 ) -> tuple[list[int], list[dict[int, float] | None]]:
     """logits: [batch, vocab] fp32, row i for seqs[i]. Returns token ids and, where asked,
     {token: logprob} with the chosen token and the `logprobs` most likely ones (from the
-    distribution before bias, penalties and filters, as vLLM's default)."""
+    distribution before bias, penalties, grammar and filters, as vLLM's default)."""
     batch = logits.shape[0]
     params = [seq.params for seq in seqs]
-    adjusted = apply_penalties(logits, seqs, eos_token_ids)
+    adjusted = apply_grammars(apply_penalties(logits, seqs, eos_token_ids), logits, seqs)
     tokens = adjusted.max(dim=-1).indices  # argmax's result; 2.5x faster on CPU (torch 2.13)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
