@@ -428,9 +428,87 @@ def test_structured_outputs_over_http(tiny_server: RunningServer) -> None:
     reply = post(chat, chat_url)["choices"][0]
     assert list(json.loads(reply["message"]["content"])) == ["ok"], reply
     assert reply["finish_reason"] == "stop"
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    declined = post({**chat, "tools": [tool], "tool_choice": "none"}, chat_url)["choices"][0]
+    declined = post({**chat, "tools": [TOOL], "tool_choice": "none"}, chat_url)["choices"][0]
     assert declined["message"] == reply["message"], "tools that are declined change nothing"
+    tiny_server.assert_idle()
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}}  # fmt: skip
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "the time now"}}
+
+
+def test_forced_tool_calls_over_http(tiny_server: RunningServer) -> None:
+    """A named tool_choice and "required" come back as OpenAI tool calls whose arguments fit the
+    function's schema, streamed as the same calls; the official client reads them; an earlier
+    call and its result in the history are accepted."""
+    url = f"{tiny_server.url}/v1/chat/completions"
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    named = {"model": MODEL, "messages": messages, "max_tokens": 64, "temperature": 0,
+             "tools": [WEATHER, CLOCK],
+             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}  # fmt: skip
+
+    def post(body: dict) -> dict:
+        response = httpx.post(url, json=body, headers=AUTH, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def streamed_calls(body: dict) -> tuple[list[dict], str]:
+        with httpx.stream(
+            "POST", url, json={**body, "stream": True}, headers=AUTH, timeout=60
+        ) as r:
+            events = sse_events([line for line in r.iter_lines() if line])
+        deltas = [c["delta"] for e in events for c in e["choices"]]
+        assert not any(d.get("content") for d in deltas), "calls, not text"
+        calls: dict[int, dict] = {}
+        for part in (p for d in deltas for p in d.get("tool_calls") or []):
+            call = calls.setdefault(part["index"], {"arguments": ""})
+            for key in ("id", "type"):
+                if part.get(key):
+                    assert key not in call, f"{key} comes once"
+                    call[key] = part[key]
+            if part["function"].get("name"):
+                call["name"] = part["function"]["name"]
+            call["arguments"] += part["function"].get("arguments") or ""
+        return [calls[i] for i in sorted(calls)], events[-1]["choices"][0]["finish_reason"]
+
+    choice = post(named)["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call")
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
+    (streamed,), finish = streamed_calls(named)
+    assert finish == "stop" and streamed["name"] == "get_weather"
+    assert streamed["arguments"] == call["function"]["arguments"]
+    assert streamed["id"].startswith("call") and streamed["type"] == "function"
+
+    required = {**named, "tool_choice": "required", "max_tokens": 200}
+    choice = post(required)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    calls = choice["message"]["tool_calls"]
+    assert calls and {c["function"]["name"] for c in calls} <= {"get_weather", "get_time"}
+    for c in calls:
+        arguments = json.loads(c["function"]["arguments"])
+        assert c["function"]["name"] == "get_time" or arguments["city"] in ("Paris", "Rome")
+    streamed, finish = streamed_calls(required)
+    assert finish == "tool_calls"
+    assert [(s["name"], s["arguments"]) for s in streamed] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls
+    ]
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY)
+    history = [*messages, choice["message"],
+               {"role": "tool", "tool_call_id": calls[0]["id"], "content": "sunny"}]  # fmt: skip
+    reply = client.chat.completions.create(
+        model=MODEL, messages=history, max_tokens=64, temperature=0, tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    assert reply.choices[0].message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(reply.choices[0].message.tool_calls[0].function.arguments)["city"]
     tiny_server.assert_idle()
 
 
@@ -451,6 +529,7 @@ def test_tokenize_health_and_models(tiny_server: RunningServer) -> None:
 
 
 LONG_PROMPT = "word " * 300
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 BAD_INPUTS = [
     # (name, path, body (dict, or raw str), headers, status, param)
     ("malformed json", "/v1/completions", '{"prompt": "hi", ', AUTH, 400, None),
@@ -510,9 +589,18 @@ BAD_INPUTS = [
     ("min_tokens with a structured output", "/v1/completions",
      {"prompt": "hi", "min_tokens": 2, "response_format": {"type": "json_object"}}, AUTH, 400,
      "min_tokens"),
-    ("tools without tool_choice none", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function",
-      "function": {"name": "f", "parameters": {"type": "object"}}}]}, AUTH, 400, "tools"),
+    ("tools with tool_choice auto (the default)", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL]}, AUTH, 400,
+     "tool_choice"),
+    ("tool_choice naming an undeclared function", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, AUTH, 400, "tool_choice"),
+    ("tool_choice required without tools", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, AUTH, 400,
+     "tool_choice"),
+    ("a forced tool call and a response_format", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, AUTH, 400, "tool_choice"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, AUTH, 400, "messages"),
     ("bad role", "/v1/chat/completions", {"messages": [{"role": "x", "content": "hi"}]}, AUTH,
      400, "messages.0.role"),
@@ -905,6 +993,13 @@ def test_smollm2_openai_client_end_to_end(smollm2_checkpoint: Path) -> None:
         )  # fmt: skip
         assert isinstance(json.loads(json_mode.choices[0].message.content), dict)
         assert json_mode.choices[0].finish_reason == "stop"
+        tool_reply = client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=40, temperature=0, tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )  # fmt: skip
+        (call,) = tool_reply.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
         running.assert_idle()
     finally:
         running.stop()

@@ -170,3 +170,40 @@ def test_bad_constraints_are_errors_that_queue_nothing(engine: LLMEngine) -> Non
         replace(GREEDY, min_tokens=2, structured_output=StructuredOutput("json_object"))
     with pytest.raises(ValueError, match="at least one non-empty"):
         choice_grammar(["yes", ""])
+
+
+def test_forced_tool_call_schemas_and_reading_back() -> None:
+    """What a forced call constrains the output to, and how its text is read back: a named call
+    is its arguments; "required" an array of calls; output cut short (max_tokens) stays text."""
+    from qpipe.serve.openai_protocol import ChatTool, NamedToolChoice
+    from qpipe.serve.tool_calls import NO_PARAMETERS, ForcedToolCall
+
+    weather = ChatTool.model_validate(
+        {"function": {"name": "weather", "parameters": {"type": "object", "required": ["city"]}}}
+    )
+    clock = ChatTool.model_validate({"function": {"name": "clock"}})
+    named = ForcedToolCall.of(
+        [weather, clock], NamedToolChoice.model_validate({"function": {"name": "clock"}})
+    )
+    assert named is not None and named.finish_reason == "stop"
+    assert json.loads(named.structured_output().value) == NO_PARAMETERS
+    (call,) = named.calls("{ }")
+    assert (call.function.name, call.function.arguments) == ("clock", "{ }")
+    required = ForcedToolCall.of([weather, clock], "required")
+    assert required is not None and required.finish_reason == "tool_calls"
+    schema = json.loads(required.structured_output().value)
+    assert schema["minItems"] == 1
+    assert [s["properties"]["name"] for s in schema["items"]["anyOf"]] == [
+        {"enum": ["weather"]}, {"enum": ["clock"]},
+    ]  # fmt: skip
+    calls = required.calls('[{"name": "weather", "parameters": {"city": "Rome"}}, '
+                           '{"name": "clock", "parameters": {}}]')  # fmt: skip
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("weather", {"city": "Rome"}), ("clock", {}),
+    ]  # fmt: skip
+    assert len({c.id for c in calls}) == 2
+    assert required.calls('[{"name": "weather", "parameters": {"ci') is None
+    assert ForcedToolCall.of([weather], "none") is None and ForcedToolCall.of(None, None) is None
+    for choice, message in [("auto", "'auto'"), (None, "'auto'")]:
+        with pytest.raises(ValueError, match=message):
+            ForcedToolCall.of([weather], choice)

@@ -144,7 +144,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages = [m.for_template() for m in body.messages]
             ids = chat.chat_prompt(messages, body.add_generation_prompt)
         else:
             ids = chat.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -7,7 +7,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from qpipe.serve.api_errors import APIError, as_api_error
-from qpipe.serve.async_engine import RequestStream
+from qpipe.serve.async_engine import GenerationChunk, RequestStream
 from qpipe.serve.openai_protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -19,7 +19,10 @@ from qpipe.serve.openai_protocol import (
     ChatStreamChoice,
     ChatTokenLogprob,
     ChatTopLogprob,
+    DeltaFunctionCall,
+    DeltaToolCall,
     UsageInfo,
+    tool_call_id,
 )
 from qpipe.serve.sampling_params import SamplingParams
 from qpipe.serve.serving_engine import (
@@ -29,27 +32,38 @@ from qpipe.serve.serving_engine import (
     sse_event,
     usage_info,
 )
+from qpipe.serve.tool_calls import ForcedToolCall
 
 
 class OpenAIServingChat(OpenAIServing):
-    def _prepare(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+    def _prepare(
+        self, body: ChatCompletionRequest
+    ) -> tuple[list[int], SamplingParams, ForcedToolCall | None]:
         self.check_model(body.model)
         self.check_unsupported(body)
-        if body.tools and body.tool_choice != "none":
+        try:
+            forced = ForcedToolCall.of(body.tools, body.tool_choice)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tool_choice") from exc
+        if forced is not None and self.structured_output(body) is not None:
             raise APIError(
                 400,
-                "tool calling is not supported by qpipe's server: send tool_choice='none' for a "
-                "text answer, or ask for the call's JSON as a structured output (response_format "
-                "of type json_schema)",
-                param="tools",
+                "a forced tool call is a structured output itself: drop response_format or "
+                "structured_outputs, or set tool_choice to 'none'",
+                param="tool_choice",
             )
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = self.chat_prompt(messages, body.add_generation_prompt)
+        messages = [m.for_template() for m in body.messages]
+        tools = None if forced is None else [t.model_dump(exclude_none=True) for t in forced.tools]
+        prompt = self.chat_prompt(messages, body.add_generation_prompt, tools)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         field, max_tokens = "max_tokens", body.max_tokens
         if body.max_completion_tokens is not None:  # OpenAI's newer name wins, 0 included
             field, max_tokens = "max_completion_tokens", body.max_completion_tokens
-        return prompt, self.sampling_params(body, max_tokens, len(prompt), logprobs, field)
+        params = self.sampling_params(
+            body, max_tokens, len(prompt), logprobs, field,
+            structured_output=None if forced is None else forced.structured_output(),
+        )  # fmt: skip
+        return prompt, params, forced
 
     def _logprobs(
         self, token_ids: list[int], logprobs: list[dict[int, float]], k: int
@@ -72,23 +86,27 @@ class OpenAIServingChat(OpenAIServing):
     async def create(
         self, body: ChatCompletionRequest, disconnected: Disconnected
     ) -> ChatCompletionResponse | AsyncIterator[bytes]:
-        prompt, params = self._prepare(body)
+        prompt, params, forced = self._prepare(body)
         await self.compile_structured_output(body, params)
         streams = self.start([prompt], params, body.stop_strings(), body.n)
         if body.stream:
-            return self._stream(body, streams, len(prompt))
+            return self._stream(body, streams, len(prompt), forced)
         results = await self.collect(streams, disconnected)
         choices = []
         for index, result in enumerate(results):
             logprobs = None
             if body.logprobs:
                 logprobs = self._logprobs(result.token_ids, result.logprobs, body.top_logprobs or 0)
+            message = ChatResponseMessage(content=result.text)
+            finish_reason = result.finish_reason
+            calls = None if forced is None else forced.calls(result.text)
+            if calls is not None:
+                assert forced is not None
+                message = ChatResponseMessage(content=None, tool_calls=calls)
+                finish_reason = forced.finish_reason
             choices.append(
                 ChatChoice(
-                    index=index,
-                    message=ChatResponseMessage(content=result.text),
-                    logprobs=logprobs,
-                    finish_reason=result.finish_reason,
+                    index=index, message=message, logprobs=logprobs, finish_reason=finish_reason
                 )
             )
         return ChatCompletionResponse(
@@ -98,7 +116,11 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def _stream(
-        self, body: ChatCompletionRequest, streams: list[RequestStream], prompt_len: int
+        self,
+        body: ChatCompletionRequest,
+        streams: list[RequestStream],
+        prompt_len: int,
+        forced: ForcedToolCall | None,
     ) -> AsyncIterator[bytes]:
         response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         model = self.settings.served_model_name
@@ -110,6 +132,7 @@ class OpenAIServingChat(OpenAIServing):
             )
             return sse_event(chunk.model_dump_json())
 
+        call_ids = [tool_call_id() for _ in streams]  # a named call's id, per choice
         for index in range(len(streams)):
             role = ChatDelta(role="assistant", content="")
             yield event([ChatStreamChoice(index=index, delta=role)])
@@ -125,13 +148,19 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = self._logprobs(
                         chunk.token_ids, chunk.logprobs or [], body.top_logprobs or 0
                     )
-                if not chunk.text and logprobs is None and not chunk.finished:
+                delta: ChatDelta | None = ChatDelta(content=chunk.text or None)
+                finish_reason = chunk.finish_reason
+                if forced is not None:
+                    delta, finish_reason = forced_delta(
+                        forced, chunk, results[index], call_ids[index]
+                    )
+                if delta is None and logprobs is None and not chunk.finished:
                     continue
                 choice = ChatStreamChoice(
                     index=index,
-                    delta=ChatDelta(content=chunk.text or None),
+                    delta=delta or ChatDelta(),
                     logprobs=logprobs,
-                    finish_reason=chunk.finish_reason,
+                    finish_reason=finish_reason,
                 )
                 yield event([choice])
             if body.stream_options is not None and body.stream_options.include_usage:
@@ -139,3 +168,34 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band
             yield sse_event(as_api_error(exc).body().model_dump_json())
         yield sse_event("[DONE]")
+
+
+def forced_delta(
+    forced: ForcedToolCall, chunk: GenerationChunk, result: ChoiceOutput, call_id: str
+) -> tuple[ChatDelta | None, str | None]:
+    """A forced tool call's stream (`result` already holds `chunk`): a named call's arguments as
+    they come, with its id, type and name on the first delta; "required" calls all at once when
+    the output is complete, as they can only be read then (partial JSON is not parsed here).
+    Output that does not read as calls (cut by max_tokens) ends as text."""
+    if forced.name is not None and chunk.text:
+        first = result.text == chunk.text
+        call = DeltaToolCall(
+            index=0, id=call_id if first else None, type="function" if first else None,
+            function=DeltaFunctionCall(name=forced.name if first else None, arguments=chunk.text),
+        )  # fmt: skip
+        return ChatDelta(tool_calls=[call]), chunk.finish_reason  # "stop", as OpenAI's
+    if not chunk.finished or forced.name is not None:
+        return None, chunk.finish_reason
+    calls = forced.calls(result.text)
+    if calls is None:
+        return ChatDelta(content=result.text or None), chunk.finish_reason
+    deltas = [
+        DeltaToolCall(
+            index=k,
+            id=call.id,
+            type="function",
+            function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments),
+        )  # fmt: skip
+        for k, call in enumerate(calls)
+    ]
+    return ChatDelta(tool_calls=deltas), forced.finish_reason

@@ -12,6 +12,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from qpipe.serve.api_errors import APIError, as_api_error
 from qpipe.serve.async_engine import (
@@ -177,8 +178,10 @@ class OpenAIServing:
         logprobs: int | None,
         max_tokens_field: str = "max_tokens",
         prompt_logprobs: int | None = None,
+        structured_output: StructuredOutput | None = None,
     ) -> SamplingParams:
-        """`max_tokens_field` names the request field the limit came from, for the error."""
+        """`max_tokens_field` names the request field the limit came from, for the error;
+        `structured_output` stands for the request's own (a forced tool call's)."""
         room = self.max_model_len - prompt_len
         if prompt_len >= self.max_model_len:
             raise APIError(
@@ -215,13 +218,18 @@ class OpenAIServing:
                 frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty,
                 logit_bias=self.logit_bias(body),
-                structured_output=self.structured_output(body),
+                structured_output=structured_output or self.structured_output(body),
             )
         except ValueError as exc:
             message = str(exc).removeprefix("SamplingParams.")  # which starts with the field
             raise APIError(400, message, param=message.partition(" ")[0]) from exc
 
-    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(
                 400,
@@ -230,7 +238,7 @@ class OpenAIServing:
                 param="messages",
             )
         text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
