@@ -280,7 +280,7 @@ def test_int8_linear_kernels_equal_the_eager_w8a8_path(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("zero_points", [False, True])
-@pytest.mark.parametrize(("in_features", "group"), [(192, 32), (200, 40)])
+@pytest.mark.parametrize(("in_features", "group"), [(192, 32), (200, 40), (210, 42)])
 def test_weight_only_kernels_equal_the_exact_product(
     dtype: torch.dtype, zero_points: bool, in_features: int, group: int,
     monkeypatch: pytest.MonkeyPatch,
@@ -289,7 +289,8 @@ def test_weight_only_kernels_equal_the_exact_product(
     time, every block of input rows against it; all at once above 32 rows in bf16) and the eager
     expansion, before packing and back out of the tiles, all equal the product in fp64, for row
     counts that reach each path and the tails of the row blocks, 130 output features (not a whole
-    number of tiles), and an in_features that is no multiple of a vector (200)."""
+    number of tiles), an in_features that is no multiple of a vector (200), and groups of a length
+    that the single-row blocks' four partial sums do not divide (42)."""
     gen = torch.Generator().manual_seed(5)
     out_features = 130
     groups = in_features // group
