@@ -414,6 +414,8 @@ def test_structured_outputs_over_http(tiny_server: RunningServer) -> None:
     body = {**base, "temperature": 0, "structured_outputs": {"regex": regex}}
     text = post(body)["choices"][0]["text"]
     assert re.fullmatch(regex, text), text
+    legacy = {**base, "temperature": 0, "guided_regex": regex}  # vLLM's older name
+    assert post(legacy)["choices"][0]["text"] == text
     with httpx.stream("POST", url, json={**body, "stream": True}, headers=AUTH, timeout=60) as r:
         events = sse_events([line for line in r.iter_lines() if line])
     assert "".join(c["text"] for e in events for c in e["choices"]) == text
@@ -582,6 +584,13 @@ BAD_INPUTS = [
     ("two structured output constraints", "/v1/completions",
      {"prompt": "hi", "response_format": {"type": "json_object"},
       "structured_outputs": {"regex": "a+"}}, AUTH, 400, "structured_outputs"),
+    ("guided_ field beside structured_outputs", "/v1/completions",
+     {"prompt": "hi", "structured_outputs": {"regex": "a+"}, "guided_choice": ["a"]}, AUTH, 400,
+     "guided_choice"),
+    ("tool parameters that do not compile", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "tools": [
+      {"type": "function", "function": {"name": "f", "parameters": {"type": "thing"}}}]}, AUTH,
+     400, "tools"),
     ("empty choice list", "/v1/completions",
      {"prompt": "hi", "structured_outputs": {"choice": []}}, AUTH, 400, "structured_outputs"),
     ("unknown response_format type", "/v1/completions",

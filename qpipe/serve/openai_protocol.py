@@ -70,6 +70,24 @@ class SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> added logit
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names for structured_outputs' fields (before 0.12), which clients still send
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_outputs_given(self) -> list[tuple[str, StructuredOutputs]]:
+        """(field name, constraint) for `structured_outputs` and each `guided_` field sent."""
+        given = (
+            []
+            if self.structured_outputs is None
+            else [("structured_outputs", self.structured_outputs)]
+        )
+        for key in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{key}")
+            if value is not None:
+                given.append((f"guided_{key}", StructuredOutputs.model_validate({key: value})))
+        return given
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

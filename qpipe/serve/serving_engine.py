@@ -130,9 +130,9 @@ class OpenAIServing:
         return tuple(pairs)
 
     def structured_output(self, body: SamplingRequest) -> StructuredOutput | None:
-        """The request's constraint on its output: OpenAI's `response_format` or vLLM's
-        `structured_outputs` (one constraint, from one of them)."""
-        fmt, extra = body.response_format, body.structured_outputs
+        """The request's constraint on its output: OpenAI's `response_format`, vLLM's
+        `structured_outputs` or its older `guided_` fields (one constraint in all)."""
+        fmt = body.response_format
         specs: list[tuple[str, StructuredOutput]] = []
         if fmt is not None and fmt.type == "json_object":
             specs.append(("response_format", StructuredOutput("json_object")))
@@ -145,8 +145,7 @@ class OpenAIServing:
                 )
             schema = json.dumps(fmt.json_schema.json_schema)
             specs.append(("response_format", StructuredOutput("json_schema", schema)))
-        if extra is not None:
-            param = "structured_outputs"
+        for param, extra in body.structured_outputs_given():
             if extra.json_ is not None:
                 schema = extra.json_ if isinstance(extra.json_, str) else json.dumps(extra.json_)
                 specs.append((param, StructuredOutput("json_schema", schema)))
@@ -156,7 +155,7 @@ class OpenAIServing:
                 try:
                     specs.append((param, StructuredOutput("grammar", choice_grammar(extra.choice))))
                 except ValueError as exc:
-                    raise APIError(400, f"structured_outputs: {exc}", param=param) from exc
+                    raise APIError(400, f"{param}: {exc}", param=param) from exc
             if extra.grammar is not None:
                 specs.append((param, StructuredOutput("grammar", extra.grammar)))
             if extra.json_object:
@@ -165,7 +164,8 @@ class OpenAIServing:
             raise APIError(
                 400,
                 "give one structured output constraint: response_format, or one of "
-                "structured_outputs' json, regex, choice, grammar and json_object",
+                "structured_outputs' json, regex, choice, grammar and json_object (or vLLM's "
+                f"older guided_ fields); got {', '.join(param for param, _ in specs)}",
                 param=specs[-1][0],
             )
         return specs[0][1] if specs else None
@@ -257,9 +257,11 @@ class OpenAIServing:
         try:
             await asyncio.to_thread(self.engine.engine.grammars.compile, spec)
         except ValueError as exc:
-            fmt = body.response_format
-            param = "structured_outputs" if fmt is None or fmt.type == "text" else "response_format"
-            raise APIError(400, str(exc), param=param) from exc
+            sources = [param for param, _ in body.structured_outputs_given()]
+            if body.response_format is not None and body.response_format.type != "text":
+                sources.append("response_format")
+            # one source at most (`structured_output`); none: a forced tool call's parameters
+            raise APIError(400, str(exc), param=sources[0] if sources else "tools") from exc
 
     def start(
         self, prompts: list[list[int]], params: SamplingParams, stop: list[str], n: int = 1
