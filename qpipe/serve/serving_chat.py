@@ -195,7 +195,7 @@ def forced_delta(
             id=call.id,
             type="function",
             function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments),
-        )  # fmt: skip
+        )
         for k, call in enumerate(calls)
     ]
     return ChatDelta(tool_calls=deltas), forced.finish_reason

@@ -88,7 +88,8 @@ class GrammarCompiler:
                     vocab_size=self._vocab_size,
                     stop_token_ids=self._eos_token_ids,
                 )
-                # a bounded cache: every distinct schema a server sees is kept until it is full
+                # compiled grammars are cached, within a bound, so that a server fed ever new
+                # schemas does not grow without limit
                 self._compiler = xgrammar.GrammarCompiler(
                     info, max_threads=2, cache_limit_bytes=256 << 20
                 )
