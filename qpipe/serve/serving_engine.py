@@ -132,6 +132,19 @@ class OpenAIServing:
     def structured_output(self, body: SamplingRequest) -> StructuredOutput | None:
         """The request's constraint on its output: OpenAI's `response_format`, vLLM's
         `structured_outputs` or its older `guided_` fields (one constraint in all)."""
+        specs = self._constraints(body)
+        if len(specs) > 1:
+            raise APIError(
+                400,
+                "give one structured output constraint: response_format, or one of "
+                "structured_outputs' json, regex, choice, grammar and json_object (or vLLM's "
+                f"older guided_ fields); got {', '.join(param for param, _ in specs)}",
+                param=specs[-1][0],
+            )
+        return specs[0][1] if specs else None
+
+    def _constraints(self, body: SamplingRequest) -> list[tuple[str, StructuredOutput]]:
+        """(request field, constraint) for every constraint the request sends."""
         fmt = body.response_format
         specs: list[tuple[str, StructuredOutput]] = []
         if fmt is not None and fmt.type == "json_object":
@@ -160,15 +173,7 @@ class OpenAIServing:
                 specs.append((param, StructuredOutput("grammar", extra.grammar)))
             if extra.json_object:
                 specs.append((param, StructuredOutput("json_object")))
-        if len(specs) > 1:
-            raise APIError(
-                400,
-                "give one structured output constraint: response_format, or one of "
-                "structured_outputs' json, regex, choice, grammar and json_object (or vLLM's "
-                f"older guided_ fields); got {', '.join(param for param, _ in specs)}",
-                param=specs[-1][0],
-            )
-        return specs[0][1] if specs else None
+        return specs
 
     def sampling_params(
         self,
@@ -257,10 +262,8 @@ class OpenAIServing:
         try:
             await asyncio.to_thread(self.engine.engine.grammars.compile, spec)
         except ValueError as exc:
-            sources = [param for param, _ in body.structured_outputs_given()]
-            if body.response_format is not None and body.response_format.type != "text":
-                sources.append("response_format")
-            # one source at most (`structured_output`); none: a forced tool call's parameters
+            # the one constraint the request sent; none: a forced tool call's parameters
+            sources = [param for param, _ in self._constraints(body)]
             raise APIError(400, str(exc), param=sources[0] if sources else "tools") from exc
 
     def start(

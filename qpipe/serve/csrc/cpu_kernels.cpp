@@ -626,10 +626,11 @@ void direct_block(float* sums, const float* x, const float* xsum, int64_t k, con
     }
     for (int64_t v = 0; v < kTileVecs; ++v) {
       const vfloat s = tile_scale(scales, g, v);
+      const vfloat z = zeros != nullptr ? loadv(zeros + g * kTile + v * kLanes) : vfloat{};
       for (int r = 0; r < ROWS; ++r) {
         vfloat t = part[0][r][v];
         for (int u = 1; u < kSets; ++u) t += part[u][r][v];
-        if (zeros != nullptr) t -= loadv(zeros + g * kTile + v * kLanes) * xsum[r * groups + g];
+        if (zeros != nullptr) t -= z * xsum[r * groups + g];
         acc[r][v] += t * s;
       }
     }
