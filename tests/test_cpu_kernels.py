@@ -280,21 +280,24 @@ def test_int8_linear_kernels_equal_the_eager_w8a8_path(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("zero_points", [False, True])
-@pytest.mark.parametrize(("in_features", "group"), [(192, 32), (200, 40), (210, 42)])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("in_features", "group"), [(192, 32), (200, 40), (210, 42), (195, 39)])
 def test_weight_only_kernels_equal_the_exact_product(
-    dtype: torch.dtype, zero_points: bool, in_features: int, group: int,
+    dtype: torch.dtype, zero_points: bool, bits: int, in_features: int, group: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """int4/int8 weight-only layers: the kernels (one tile of the packed weight expanded at a
     time, every block of input rows against it; all at once above 32 rows in bf16) and the eager
     expansion, before packing and back out of the tiles, all equal the product in fp64, for row
     counts that reach each path and the tails of the row blocks, 130 output features (not a whole
-    number of tiles), an in_features that is no multiple of a vector (200), and groups of a length
-    that the single-row blocks' four partial sums do not divide (42)."""
+    number of tiles), an in_features that is no multiple of a vector (200), groups of a length
+    that the single-row blocks' four partial sums do not divide (42), and of odd length (39),
+    which int4 values cannot be paired in and stay one to a byte."""
     gen = torch.Generator().manual_seed(5)
     out_features = 130
     groups = in_features // group
-    weight = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    low = -(2 ** (bits - 1))
+    weight = torch.randint(low, -low, (out_features, in_features), generator=gen, dtype=torch.int8)
     scale = torch.rand(out_features, groups, generator=gen) * 1e-2 + 1e-3
     zero = torch.randint(-8, 8, (out_features, groups), generator=gen) if zero_points else None
     bias = torch.randn(out_features, generator=gen).to(dtype)
@@ -313,7 +316,10 @@ def test_weight_only_kernels_equal_the_exact_product(
     for rows in (1, 5, 33):  # the eager path of an unpacked layer (GPU)
         check(torch.randn(rows, in_features, generator=gen).to(dtype))
     assert pack_linear_weights(torch.nn.Sequential(layer), batch_hint=32) == 1
-    assert layer.weight is None and layer.packed.shape == (9, in_features, cpu_kernels.TILE)
+    paired = bits == 4 and group % 2 == 0  # int4 values two to a byte
+    assert layer.weight is None and layer.packed.dtype == (torch.uint8 if paired else torch.int8)
+    assert layer.packed.shape == (9, in_features // (2 if paired else 1), cpu_kernels.TILE)
+    assert torch.equal(layer.quantized()[0], weight)
     # 1-12: every tail of a block of rows; 17-32: panels; 33, 100: panels in fp32, expanded in bf16
     for rows in (*range(1, 13), 32, 33, 100):
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
@@ -342,6 +348,10 @@ def test_weight_only_kernel_rejects_what_it_cannot_read() -> None:
         cpu_kernels.ops.weight_only_expand(weight, scales, cpu_kernels.tiled(torch.ones(20, 1)), 20)
     with pytest.raises(RuntimeError, match="disagree on in_features"):
         cpu_kernels.ops.weight_only_linear(torch.zeros(1, 32), weight, scales, None, None, 20)
+    pairs = cpu_kernels.tiled_int4(torch.zeros(20, 78, dtype=torch.int8))
+    two_groups = cpu_kernels.tiled(torch.ones(20, 2))
+    with pytest.raises(RuntimeError, match="int4 pairs need groups of even length, got 39"):
+        cpu_kernels.ops.weight_only_linear(torch.zeros(1, 78), pairs, two_groups, None, None, 20)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

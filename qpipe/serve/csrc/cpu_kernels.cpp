@@ -530,22 +530,74 @@ inline vfloat widen_int8(const int8_t* p) {
   return out;
 }
 
+// int4 weights are kept two to a byte: tile rows 2m and 2m + 1 of output feature f in the low and
+// high nibble of byte (m, f), each value plus 8 (0..15). A tile of k rows then takes k / 2 * kTile
+// bytes, half what one byte per value reads at decode sizes, where the product waits on memory,
+// and one load of kLanes bytes yields a weight vector of two rows. The +8 joins the zero point:
+// (u - (z + 8)) * s equals (q - z) * s exactly. Tiles of one int8 per byte hold other weights.
+template <typename Q>
+constexpr bool kNibbles = std::is_same_v<Q, uint8_t>;
+template <typename Q>
+constexpr float kZeroOffset = kNibbles<Q> ? 8.f : 0.f;
+
+// Weight vector v of tile rows i and i + 1 as floats (i even for nibbles).
+inline void widen_rows(const int8_t* q, int64_t i, int64_t v, vfloat& a, vfloat& b) {
+  a = widen_int8(q + i * kTile + v * kLanes);
+  b = widen_int8(q + (i + 1) * kTile + v * kLanes);
+}
+inline void widen_rows(const uint8_t* q, int64_t i, int64_t v, vfloat& a, vfloat& b) {
+  const uint8_t* p = q + i / 2 * kTile + v * kLanes;
+#if defined(__AVX512F__)
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+  std::memcpy(&a, &lo, sizeof a);
+  std::memcpy(&b, &hi, sizeof b);
+#elif defined(__AVX2__)
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15)));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
+  std::memcpy(&a, &lo, sizeof a);
+  std::memcpy(&b, &hi, sizeof b);
+#else
+  for (int64_t l = 0; l < kLanes; ++l) {
+    a[l] = static_cast<float>(p[l] & 15);
+    b[l] = static_cast<float>(p[l] >> 4);
+  }
+#endif
+}
+
 // A tile's scale vector v of group g; a null `scales` stands for ones (W8A8's int8 values, whose
 // products are summed exactly and scaled after).
 inline vfloat tile_scale(const float* scales, int64_t g, int64_t v) {
   return scales != nullptr ? loadv(scales + g * kTile + v * kLanes) : vfloat{} + 1.f;
 }
 
+// A tile's zero point vector v of group g, plus the storage's offset (`kNibbles`).
+template <typename Q>
+inline vfloat tile_zero(const float* zeros, int64_t g, int64_t v) {
+  return (zeros != nullptr ? loadv(zeros + g * kTile + v * kLanes) : vfloat{}) + kZeroOffset<Q>;
+}
+
 // One tile's weight as (q - zero) * scale in fp32, the eager path's expansion value for value,
 // written as rows of kTile values (row i at dst + i * stride).
-void expand_tile(float* dst, int64_t stride, const int8_t* q, const float* scales,
-                 const float* zeros, int64_t k, int64_t group) {
+template <typename Q>
+void expand_tile(float* dst, int64_t stride, const Q* q, const float* scales, const float* zeros,
+                 int64_t k, int64_t group) {
   for (int64_t g = 0; g < k / group; ++g) {
     for (int64_t v = 0; v < kTileVecs; ++v) {
       const vfloat s = tile_scale(scales, g, v);
-      const vfloat z = zeros != nullptr ? loadv(zeros + g * kTile + v * kLanes) : vfloat{};
-      for (int64_t i = g * group; i < (g + 1) * group; ++i) {
-        st(dst + i * stride + v * kLanes, (widen_int8(q + i * kTile + v * kLanes) - z) * s);
+      const vfloat z = tile_zero<Q>(zeros, g, v);
+      const int64_t end = (g + 1) * group;
+      int64_t i = g * group;
+      for (; i + 2 <= end; i += 2) {
+        vfloat a, b;
+        widen_rows(q, i, v, a, b);
+        st(dst + i * stride + v * kLanes, (a - z) * s);
+        st(dst + (i + 1) * stride + v * kLanes, (b - z) * s);
+      }
+      if constexpr (!kNibbles<Q>) {  // a group of odd length (nibbles' groups are even)
+        if (i < end) st(dst + i * stride + v * kLanes, (widen_int8(q + i * kTile + v * kLanes) - z) * s);
       }
     }
   }
@@ -596,41 +648,51 @@ constexpr int kPartialSums = ROWS == 1 ? 4 : ROWS == 2 ? 2 : 1;
 // writing a panel and reading it back costs more than expanding the tile again for each block:
 // each weight vector is widened in registers and used at once. Each group's sums of x * q come
 // first, the scale and zero point once per group after them, s * (sum x q - z * sum x) with the
-// rows' sums of x over the group in `xsum` ([ROWS, groups]; read only with zero points), instead
+// rows' sums of x over the group in `xsum` ([ROWS, groups]; null without a zero point), instead
 // of (q - z) * s for every weight: two vector operations fewer per weight vector. Measured on a
 // Zen 3 (576 -> 3072, weight in cache): 4 rows 0.16 ms here, 0.31 ms through a panel; at 16 rows
 // the two forms are even. With the weights from DRAM at one row, the factored form with its
 // partial sums read 7.9 -> 10.4 GB/s (a plain read of the tiles: 11.8).
-template <int ROWS>
-void direct_block(float* sums, const float* x, const float* xsum, int64_t k, const int8_t* q,
+template <int ROWS, typename Q>
+void direct_block(float* sums, const float* x, const float* xsum, int64_t k, const Q* q,
                   const float* scales, const float* zeros, int64_t group) {
   constexpr int kSets = kPartialSums<ROWS>;
+  constexpr int kStep = kSets < 2 ? 2 : kSets;  // rows per iteration, read in pairs
   const int64_t groups = k / group;
   vfloat acc[ROWS][kTileVecs] = {};
   for (int64_t g = 0; g < groups; ++g) {
     vfloat part[kSets][ROWS][kTileVecs] = {};
     const int64_t end = (g + 1) * group;
     int64_t i = g * group;
-    for (; i + kSets <= end; i += kSets) {
+    for (; i + kStep <= end; i += kStep) {
 #pragma GCC unroll 4
-      for (int u = 0; u < kSets; ++u) {
-        vfloat w[kTileVecs];
-        for (int64_t v = 0; v < kTileVecs; ++v) w[v] = widen_int8(q + (i + u) * kTile + v * kLanes);
-        outer_product_step<ROWS>(part[u], w, x, k, i + u);
+      for (int u = 0; u < kStep; u += 2) {
+        vfloat a[kTileVecs], b[kTileVecs];
+        for (int64_t v = 0; v < kTileVecs; ++v) widen_rows(q, i + u, v, a[v], b[v]);
+        outer_product_step<ROWS>(part[u % kSets], a, x, k, i + u);
+        outer_product_step<ROWS>(part[(u + 1) % kSets], b, x, k, i + u + 1);
       }
     }
-    for (; i < end; ++i) {  // a group of a length that kSets does not divide
-      vfloat w[kTileVecs];
-      for (int64_t v = 0; v < kTileVecs; ++v) w[v] = widen_int8(q + i * kTile + v * kLanes);
-      outer_product_step<ROWS>(part[0], w, x, k, i);
+    for (; i + 2 <= end; i += 2) {  // a group of a length that kStep does not divide
+      vfloat a[kTileVecs], b[kTileVecs];
+      for (int64_t v = 0; v < kTileVecs; ++v) widen_rows(q, i, v, a[v], b[v]);
+      outer_product_step<ROWS>(part[0], a, x, k, i);
+      outer_product_step<ROWS>(part[0], b, x, k, i + 1);
+    }
+    if constexpr (!kNibbles<Q>) {  // a group of odd length (nibbles' groups are even)
+      if (i < end) {
+        vfloat w[kTileVecs];
+        for (int64_t v = 0; v < kTileVecs; ++v) w[v] = widen_int8(q + i * kTile + v * kLanes);
+        outer_product_step<ROWS>(part[0], w, x, k, i);
+      }
     }
     for (int64_t v = 0; v < kTileVecs; ++v) {
       const vfloat s = tile_scale(scales, g, v);
-      const vfloat z = zeros != nullptr ? loadv(zeros + g * kTile + v * kLanes) : vfloat{};
+      const vfloat z = tile_zero<Q>(zeros, g, v);
       for (int r = 0; r < ROWS; ++r) {
         vfloat t = part[0][r][v];
         for (int u = 1; u < kSets; ++u) t += part[u][r][v];
-        if (zeros != nullptr) t -= z * xsum[r * groups + g];
+        if (xsum != nullptr) t -= z * xsum[r * groups + g];
         acc[r][v] += t * s;
       }
     }
@@ -731,14 +793,34 @@ bool has_bias_for(const c10::optional<at::Tensor>& bias, const at::Tensor& x,
   return has_bias;
 }
 
+// The in_features of a weight-only weight in tiles: uint8 tiles hold int4 pairs (`kNibbles`).
+int64_t tile_in_features(const at::Tensor& weight) {
+  return weight.size(1) * (weight.scalar_type() == at::kByte ? 2 : 1);
+}
+
+// body(q) with the tiles' values as `const int8_t*` or, for int4 pairs, `const uint8_t*`.
+template <typename Body>
+void with_tile_values(const at::Tensor& weight, Body&& body) {
+  if (weight.scalar_type() == at::kByte) {
+    body(weight.data_ptr<uint8_t>());
+  } else {
+    body(weight.data_ptr<int8_t>());
+  }
+}
+
 void check_weight_only(const at::Tensor& weight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& zeros, int64_t out_features) {
-  check_tiles(weight, at::kChar, "int8", out_features);
+  const bool nibbles = weight.scalar_type() == at::kByte;
+  check_tiles(weight, nibbles ? at::kByte : at::kChar, nibbles ? "uint8 (int4 pairs)" : "int8",
+              out_features);
+  const int64_t k = tile_in_features(weight);
   TORCH_CHECK(scales.dim() == 3 && scales.size(0) == weight.size(0) && scales.size(2) == kTile &&
                   scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.size(1) > 0 && weight.size(1) % scales.size(1) == 0,
+                  scales.size(1) > 0 && k % scales.size(1) == 0,
               "scales must be contiguous float32 tiles [tiles, groups, ", kTile,
               "] with groups dividing in_features");
+  TORCH_CHECK(!nibbles || (k / scales.size(1)) % 2 == 0,
+              "int4 pairs need groups of even length, got ", k / scales.size(1));
   TORCH_CHECK(!zeros.has_value() || !zeros->defined() ||
                   (zeros->sizes() == scales.sizes() && zeros->scalar_type() == at::kFloat &&
                    zeros->is_contiguous()),
@@ -751,34 +833,37 @@ void check_weight_only(const at::Tensor& weight, const at::Tensor& scales,
 at::Tensor weight_only_expand(const at::Tensor& weight, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& zeros, int64_t out_features) {
   check_weight_only(weight, scales, zeros, out_features);
-  const int64_t tiles = weight.size(0), k = weight.size(1), group = k / scales.size(1);
-  const int64_t width = tiles * kTile;
+  const int64_t tiles = weight.size(0), k = tile_in_features(weight), group = k / scales.size(1);
+  const int64_t width = tiles * kTile, tile_bytes = weight.size(1) * kTile;
   at::Tensor out = at::empty({k, width}, scales.options());
   const float* z = zeros.has_value() && zeros->defined() ? zeros->data_ptr<float>() : nullptr;
   const int64_t tile_scales = scales.size(1) * kTile;
   float* o = out.data_ptr<float>();
-  const int8_t* q = weight.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      expand_tile(o + t * kTile, width, q + t * k * kTile, s + t * tile_scales,
-                  z != nullptr ? z + t * tile_scales : nullptr, k, group);
-    }
+  with_tile_values(weight, [&](const auto* q) {
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        expand_tile(o + t * kTile, width, q + t * tile_bytes, s + t * tile_scales,
+                    z != nullptr ? z + t * tile_scales : nullptr, k, group);
+      }
+    });
   });
   return out;
 }
 
-// o [rows, n] = x's fp32 rows (row stride k) times the tiled int8 weight (scales and zero points
-// per group and tile, or none: `tile_scale`), through the epilogue, plus the bias (of type B:
-// the output's, or fp32 for W8A8). The threads split the tiles.
-template <typename T, typename B>
+// o [rows, n] = x's fp32 rows (row stride k) times the tiled int8 or int4-pair weight (scales
+// and zero points per group and tile, or none: `tile_scale`), through the epilogue, plus the
+// bias (of type B: the output's, or fp32 for W8A8). The threads split the tiles.
+template <typename T, typename B, typename Q>
 void tiles_product(T* o, const float* xs, int64_t rows, int64_t k, int64_t n, int64_t tiles,
-                   const int8_t* q, const float* s, const float* z, int64_t group, const B* b,
+                   const Q* q, const float* s, const float* z, int64_t group, const B* b,
                    const Epilogue& e) {
   const int64_t groups = k / group, tile_scales = groups * kTile;
+  const int64_t tile_bytes = k / (kNibbles<Q> ? 2 : 1) * kTile;
   const bool direct = rows <= kDirectMaxRows;
+  const bool zero_points = z != nullptr || kNibbles<Q>;
   std::vector<float> xsum;  // each row's sum over each group, for the direct blocks' zero points
-  if (direct && z != nullptr) {
+  if (direct && zero_points) {
     xsum.assign(rows * groups, 0.f);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t i = 0; i < k; ++i) xsum[r * groups + i / group] += xs[r * k + i];
@@ -789,8 +874,8 @@ void tiles_product(T* o, const float* xs, int64_t rows, int64_t k, int64_t n, in
     float sums[kDirectRows * kTile];
     for (int64_t t = begin; t < end; ++t) {
       // a thread's tiles are one contiguous stretch of the weight: fetch the next one
-      if (t + 1 < end) prefetch_bytes(q + (t + 1) * k * kTile, k * kTile);
-      const int8_t* q_tile = q + t * k * kTile;
+      if (t + 1 < end) prefetch_bytes(q + (t + 1) * tile_bytes, tile_bytes);
+      const Q* q_tile = q + t * tile_bytes;
       const float* s_tile = s != nullptr ? s + t * tile_scales : nullptr;
       const float* z_tile = z != nullptr ? z + t * tile_scales : nullptr;
       const int64_t first = t * kTile, cols = std::min(kTile, n - first);
@@ -802,7 +887,7 @@ void tiles_product(T* o, const float* xs, int64_t rows, int64_t k, int64_t n, in
       for (int64_t r = 0; r < rows; r += kDirectRows) {
         const int64_t count = std::min<int64_t>(kDirectRows, rows - r);
         with_block_rows<kDirectRows>(count, [&](auto c) {
-          const float* row_sums = z != nullptr ? xsum.data() + r * groups : nullptr;
+          const float* row_sums = zero_points ? xsum.data() + r * groups : nullptr;
           direct_block<decltype(c)::value>(sums, xs + r * k, row_sums, k, q_tile, s_tile, z_tile,
                                            group);
         });
@@ -818,17 +903,18 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
   check_rows(x, "x");
   check_weight_only(weight, scales, zeros, out_features);
   const int64_t rows = x.size(0), k = x.size(1), n = out_features;
-  TORCH_CHECK(weight.size(1) == k, "x and weight disagree on in_features");
+  TORCH_CHECK(tile_in_features(weight) == k, "x and weight disagree on in_features");
   const bool has_zeros = zeros.has_value() && zeros->defined();
   const bool has_bias = has_bias_for(bias, x, n);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({rows, n}, x.options());
   dispatch(x, "weight_only_linear", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    tiles_product(ptr<T>(out), xf.data_ptr<float>(), rows, k, n, weight.size(0),
-                     weight.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                     has_zeros ? zeros->data_ptr<float>() : nullptr, k / scales.size(1),
-                     has_bias ? ptr<T>(*bias) : nullptr, Epilogue{});
+    with_tile_values(weight, [&](const auto* q) {
+      tiles_product(ptr<T>(out), xf.data_ptr<float>(), rows, k, n, weight.size(0), q,
+                    scales.data_ptr<float>(), has_zeros ? zeros->data_ptr<float>() : nullptr,
+                    k / scales.size(1), has_bias ? ptr<T>(*bias) : nullptr, Epilogue{});
+    });
   });
   return out;
 }

@@ -119,8 +119,25 @@ def tiled(t: torch.Tensor) -> torch.Tensor:
 
 
 def untiled(t: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The inverse of `tiled`: [out_features, cols]."""
+    """The inverse of `tiled` and of `tiled_int4`: [out_features, cols]."""
+    if t.dtype == torch.uint8:
+        t = torch.stack([t & 15, t >> 4], dim=2).flatten(1, 2).to(torch.int8) - 8
     return t.transpose(1, 2).reshape(-1, t.shape[1])[:out_features]
+
+
+def int4_pairs_fit(weight: torch.Tensor, group: int) -> bool:
+    """Whether an int8-held weight's values are int4 ([-8, 7]) in groups of even length, which
+    `tiled_int4` stores two to a byte."""
+    return group % 2 == 0 and int(weight.min()) >= -8 and int(weight.max()) <= 7
+
+
+def tiled_int4(weight: torch.Tensor) -> torch.Tensor:
+    """[out, cols] int4 values held as int8 -> [ceil(out / TILE), cols / 2, TILE] uint8: `tiled`,
+    then rows 2m and 2m + 1 of each tile's feature as the low and high nibble of one byte, each
+    value + 8 (the kernels fold the 8 into the zero point). Half the bytes per weight, which is
+    what a product at decode sizes waits on."""
+    tiles = (tiled(weight).to(torch.int16) + 8).to(torch.uint8)
+    return tiles[:, 0::2] | (tiles[:, 1::2] << 4)
 
 
 def decode_attention_fits(head_dim: int, block_size: int) -> bool:
