@@ -487,15 +487,16 @@ void scale_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& row_scal
   });
 }
 
-// Weight-only quantized linear (int4 or int8 values kept one per byte, per-group fp32 scales and
-// optional zero points; AWQ, GPTQ and qpipe's int4-wo/int8-wo outputs, and W8A8 on CPUs without
-// VNNI): out = x @ dequant(w).T. The eager path expands the whole weight to the model dtype on
-// every call, which at decode sizes costs more than the GEMM (4-byte weights written, then read
-// again): measured on a Zen 3 with SmolLM2 W4A16, 166 ms per token at concurrency 1.
+// Weight-only quantized linear (int8 values one per byte, int4 two: `kNibbles`; per-group fp32
+// scales and optional zero points; AWQ, GPTQ and qpipe's int4-wo/int8-wo outputs, and W8A8 on
+// CPUs without VNNI): out = x @ dequant(w).T. The eager path expands the whole weight to the
+// model dtype on every call, which at decode sizes costs more than the GEMM (4-byte weights
+// written, then read again): measured on a Zen 3 with SmolLM2 W4A16, 166 ms per token at
+// concurrency 1.
 //
 // Here the weight is laid out once at load in tiles of kTile output features, k-major inside a
-// tile ([tiles, in_features, kTile], the layer's `pack_for_cpu`), and read once per call at one
-// byte per value. The threads split the tiles; each tile is expanded into an fp32 panel
+// tile ([tiles, in_features, kTile], the layer's `pack_for_cpu`), and read once per call at its
+// own bit width. The threads split the tiles; each tile is expanded into an fp32 panel
 // (in_features x kTile: L1/L2-sized), and every block of input rows runs an outer-product
 // micro-kernel against it: one input value broadcast times kTile weights per multiply-add, with
 // the block's accumulators in registers and no sums across lanes. Measured on a Zen 3, 32 rows x
@@ -597,7 +598,9 @@ void expand_tile(float* dst, int64_t stride, const Q* q, const float* scales, co
         st(dst + (i + 1) * stride + v * kLanes, (b - z) * s);
       }
       if constexpr (!kNibbles<Q>) {  // a group of odd length (nibbles' groups are even)
-        if (i < end) st(dst + i * stride + v * kLanes, (widen_int8(q + i * kTile + v * kLanes) - z) * s);
+        if (i < end) {
+          st(dst + i * stride + v * kLanes, (widen_int8(q + i * kTile + v * kLanes) - z) * s);
+        }
       }
     }
   }
