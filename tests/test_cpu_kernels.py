@@ -420,14 +420,20 @@ def test_onednn_packed_bf16_linear_gives_the_same_bits(rows: int) -> None:
     assert torch.equal(packed(x), expected)
 
 
-@pytest.mark.parametrize(("generic_mkl", "kernels"), [(False, True), (True, True), (True, False)])
-def test_fp32_weights_are_packed_where_mkl_runs_generic_code(
-    generic_mkl: bool, kernels: bool, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("generic_mkl", "avx512", "kernels"),
+    [(False, False, True), (True, False, True), (True, False, False), (False, True, True),
+     (False, True, False)],
+)  # fmt: skip
+def test_fp32_weights_leave_mkl_where_the_tiles_beat_it(
+    generic_mkl: bool, avx512: bool, kernels: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """fp32 leaves MKL only on non-Intel CPUs (MKL's generic code there is 1.3-3x slower at decode
-    batch sizes): for the tile kernel, or for oneDNN's packed GEMM where the kernels cannot be
-    built, with the same results up to summation order."""
+    """fp32 leaves MKL on non-Intel CPUs (MKL's generic code there is 1.3-3x slower at decode
+    batch sizes) and on AVX-512 CPUs (the tile kernel's pairs of tiles beat MKL at 1-64 rows): for
+    the tile kernel, or, on non-Intel CPUs where the kernels cannot be built, for oneDNN's packed
+    GEMM; the same results up to summation order. An Intel CPU without AVX-512 keeps MKL."""
     monkeypatch.setattr(linear, "_mkl_runs_generic_code", lambda: generic_mkl)
+    monkeypatch.setattr(linear, "_has_avx512", lambda: avx512)
     if not kernels:
         monkeypatch.setattr(cpu_kernels, "load", lambda: False)
     gen = torch.Generator().manual_seed(8)
@@ -435,11 +441,15 @@ def test_fp32_weights_are_packed_where_mkl_runs_generic_code(
     x = torch.randn(32, 576, generator=gen)
     expected = F.linear(x, weight, bias)
     layer = DenseLinear(weight, bias)
-    assert pack_linear_weights(torch.nn.Sequential(layer), batch_hint=64) == int(generic_mkl)
-    assert (layer.packed is not None) == generic_mkl
-    if generic_mkl:
-        assert layer.packed.is_mkldnn != kernels
-        assert kernels == (layer.packed.shape == (60, 576, cpu_kernels.TILE))
+    tiles = kernels and (generic_mkl or avx512)
+    onednn = not kernels and generic_mkl
+    assert pack_linear_weights(torch.nn.Sequential(layer), batch_hint=64) == int(tiles or onednn)
+    if tiles:
+        assert layer.packed.shape == (60, 576, cpu_kernels.TILE) and not layer.packed.is_mkldnn
+    elif onednn:
+        assert layer.packed.is_mkldnn
+    else:
+        assert layer.packed is None
     torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
 
 

@@ -644,6 +644,27 @@ void panel_block(float* sums, const float* x, int64_t k, const float* panel) {
   store_sums<ROWS>(sums, acc);
 }
 
+// panel_block over two adjacent one-vector tiles (AVX-512) at once, into sums0 and sums1: each
+// broadcast of x feeds two multiply-adds, and 2 * ROWS of the 32 registers accumulate.
+template <int ROWS>
+void panel_pair_block(float* sums0, float* sums1, const float* x, int64_t k, const float* p0,
+                      const float* p1) {
+  vfloat acc0[ROWS] = {}, acc1[ROWS] = {};
+  for (int64_t i = 0; i < k; ++i) {
+    const vfloat w0 = loadv(p0 + i * kTile), w1 = loadv(p1 + i * kTile);
+#pragma GCC unroll 12
+    for (int r = 0; r < ROWS; ++r) {
+      const float xv = x[r * k + i];
+      acc0[r] += xv * w0;
+      acc1[r] += xv * w1;
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    st(sums0 + r * kTile, acc0[r]);
+    st(sums1 + r * kTile, acc1[r]);
+  }
+}
+
 // Independent partial sums per group in direct_block: one chain of multiply-adds per output
 // vector waits on the FMA's latency at one or two rows; at three or more the rows interleave.
 template <int ROWS>
@@ -942,7 +963,32 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
   const float* w = weight.data_ptr<float>();
   const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, weight.size(0), 1, [&](int64_t begin, int64_t end) {
+  const int64_t tiles = weight.size(0);
+  if constexpr (kTileVecs == 1) {  // pairs of tiles, the last one alone if their count is odd
+    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      float sums[2][kBlockRows * kTile];
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t t = 2 * pair, first = t * kTile;
+        if (t + 1 == tiles) {
+          panel_rows(o, n, b, first, std::min(kTile, n - first), xs, rows, k,
+                     w + t * k * kTile, Epilogue{});
+          continue;
+        }
+        for (int64_t r = 0; r < rows; r += kBlockRows) {
+          const int64_t count = std::min<int64_t>(kBlockRows, rows - r);
+          with_block_rows<kBlockRows>(count, [&](auto c) {
+            panel_pair_block<decltype(c)::value>(sums[0], sums[1], xs + r * k, k,
+                                                 w + t * k * kTile, w + (t + 1) * k * kTile);
+          });
+          store_tile_rows(o, n, b, first, kTile, sums[0], r, count, Epilogue{});
+          store_tile_rows(o, n, b, first + kTile, std::min(kTile, n - first - kTile), sums[1], r,
+                          count, Epilogue{});
+        }
+      }
+    });
+    return out;
+  }
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t first = t * kTile;
       panel_rows(o, n, b, first, std::min(kTile, n - first), xs, rows, k, w + t * k * kTile,
