@@ -923,85 +923,6 @@ void tiles_product(T* o, const float* xs, int64_t rows, int64_t k, int64_t n, in
   });
 }
 
-at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
-                              const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
-                              const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  check_rows(x, "x");
-  check_weight_only(weight, scales, zeros, out_features);
-  const int64_t rows = x.size(0), k = x.size(1), n = out_features;
-  TORCH_CHECK(tile_in_features(weight) == k, "x and weight disagree on in_features");
-  const bool has_zeros = zeros.has_value() && zeros->defined();
-  const bool has_bias = has_bias_for(bias, x, n);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({rows, n}, x.options());
-  dispatch(x, "weight_only_linear", [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    with_tile_values(weight, [&](const auto* q) {
-      tiles_product(ptr<T>(out), xf.data_ptr<float>(), rows, k, n, weight.size(0), q,
-                    scales.data_ptr<float>(), has_zeros ? zeros->data_ptr<float>() : nullptr,
-                    k / scales.size(1), has_bias ? ptr<T>(*bias) : nullptr, Epilogue{});
-    });
-  });
-  return out;
-}
-
-// x @ weight.T + bias for an fp32 weight laid out in tiles ([tiles, in_features, kTile]), which
-// are the panels themselves. Measured on a Zen 3 against oneDNN's GEMM on its packed weight, the
-// weights from DRAM as in serving: 1.3-2x at 1-16 rows (1 row: 23 against 14 GB/s), 1-1.5x at
-// 32-64, even at 160, 0.8-0.9x at 512.
-at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
-                        const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  check_rows(x, "x");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "dense_linear takes float32 inputs");
-  check_tiles(weight, at::kFloat, "float32", out_features);
-  const int64_t rows = x.size(0), k = x.size(1), n = out_features;
-  TORCH_CHECK(weight.size(1) == k, "x and weight disagree on in_features");
-  const bool has_bias = has_bias_for(bias, x, n);
-  const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({rows, n}, x.options());
-  const float* xs = xc.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
-  float* o = out.data_ptr<float>();
-  const int64_t tiles = weight.size(0);
-  if constexpr (kTileVecs == 1) {  // pairs of tiles, the last one alone if their count is odd
-    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-      float sums[2][kBlockRows * kTile];
-      for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t t = 2 * pair, first = t * kTile;
-        if (t + 1 == tiles) {
-          panel_rows(o, n, b, first, std::min(kTile, n - first), xs, rows, k,
-                     w + t * k * kTile, Epilogue{});
-          continue;
-        }
-        for (int64_t r = 0; r < rows; r += kBlockRows) {
-          const int64_t count = std::min<int64_t>(kBlockRows, rows - r);
-          with_block_rows<kBlockRows>(count, [&](auto c) {
-            panel_pair_block<decltype(c)::value>(sums[0], sums[1], xs + r * k, k,
-                                                 w + t * k * kTile, w + (t + 1) * k * kTile);
-          });
-          store_tile_rows(o, n, b, first, kTile, sums[0], r, count, Epilogue{});
-          store_tile_rows(o, n, b, first + kTile, std::min(kTile, n - first - kTile), sums[1], r,
-                          count, Epilogue{});
-        }
-      }
-    });
-    return out;
-  }
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t first = t * kTile;
-      panel_rows(o, n, b, first, std::min(kTile, n - first), xs, rows, k, w + t * k * kTile,
-                 Epilogue{});
-    }
-  });
-  return out;
-}
-
-// bf16 inputs of more rows than this on a CPU without usable AMX (whose bf16 GEMM still runs
-// several times its fp32 FMAs with AVX512-BF16) take weight_only_expand and one GEMM.
-constexpr int64_t kWoFusedMaxRows = 32;
-
 // Whether AMX tiles can be used here: the CPU has them and the kernel grants them to this process
 // (`init_amx` asks). Some VMs report AMX but fault on its first instruction without that grant.
 bool amx_usable() {
@@ -1094,6 +1015,99 @@ void weight_only_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
   });
 }
 
+// Whether weight_only_linear takes x to AMX: bf16 rows enough to gain, groups of even length
+// (asked before the operands are checked, so it reads their shapes with care).
+bool amx_takes(const at::Tensor& x, const at::Tensor& scales) {
+  return x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) > kAmxMinRows &&
+         scales.dim() == 3 && scales.size(1) > 0 && (x.size(1) / scales.size(1)) % 2 == 0 &&
+         amx_usable();
+}
+
+at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
+                              const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                              const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  check_rows(x, "x");
+  check_weight_only(weight, scales, zeros, out_features);
+  const int64_t rows = x.size(0), k = x.size(1), n = out_features;
+  TORCH_CHECK(tile_in_features(weight) == k, "x and weight disagree on in_features");
+  const bool has_zeros = zeros.has_value() && zeros->defined();
+  const bool has_bias = has_bias_for(bias, x, n);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  if (amx_takes(x, scales)) {
+    weight_only_amx(out, x.contiguous(), weight, scales,
+                    has_zeros ? zeros->data_ptr<float>() : nullptr,
+                    has_bias ? ptr<bf16>(*bias) : nullptr);
+    return out;
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  dispatch(x, "weight_only_linear", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    with_tile_values(weight, [&](const auto* q) {
+      tiles_product(ptr<T>(out), xf.data_ptr<float>(), rows, k, n, weight.size(0), q,
+                    scales.data_ptr<float>(), has_zeros ? zeros->data_ptr<float>() : nullptr,
+                    k / scales.size(1), has_bias ? ptr<T>(*bias) : nullptr, Epilogue{});
+    });
+  });
+  return out;
+}
+
+// x @ weight.T + bias for an fp32 weight laid out in tiles ([tiles, in_features, kTile]), which
+// are the panels themselves. Measured on a Zen 3 against oneDNN's GEMM on its packed weight, the
+// weights from DRAM as in serving: 1.3-2x at 1-16 rows (1 row: 23 against 14 GB/s), 1-1.5x at
+// 32-64, even at 160, 0.8-0.9x at 512.
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
+                        const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "dense_linear takes float32 inputs");
+  check_tiles(weight, at::kFloat, "float32", out_features);
+  const int64_t rows = x.size(0), k = x.size(1), n = out_features;
+  TORCH_CHECK(weight.size(1) == k, "x and weight disagree on in_features");
+  const bool has_bias = has_bias_for(bias, x, n);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const float* xs = xc.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  const int64_t tiles = weight.size(0);
+  if constexpr (kTileVecs == 1) {  // pairs of tiles, the last one alone if their count is odd
+    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      float sums[2][kBlockRows * kTile];
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t t = 2 * pair, first = t * kTile;
+        if (t + 1 == tiles) {
+          panel_rows(o, n, b, first, std::min(kTile, n - first), xs, rows, k,
+                     w + t * k * kTile, Epilogue{});
+          continue;
+        }
+        for (int64_t r = 0; r < rows; r += kBlockRows) {
+          const int64_t count = std::min<int64_t>(kBlockRows, rows - r);
+          with_block_rows<kBlockRows>(count, [&](auto c) {
+            panel_pair_block<decltype(c)::value>(sums[0], sums[1], xs + r * k, k,
+                                                 w + t * k * kTile, w + (t + 1) * k * kTile);
+          });
+          store_tile_rows(o, n, b, first, kTile, sums[0], r, count, Epilogue{});
+          store_tile_rows(o, n, b, first + kTile, std::min(kTile, n - first - kTile), sums[1], r,
+                          count, Epilogue{});
+        }
+      }
+    });
+    return out;
+  }
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t first = t * kTile;
+      panel_rows(o, n, b, first, std::min(kTile, n - first), xs, rows, k, w + t * k * kTile,
+                 Epilogue{});
+    }
+  });
+  return out;
+}
+
+// bf16 inputs of more rows than this on a CPU without usable AMX (whose bf16 GEMM still runs
+// several times its fp32 FMAs with AVX512-BF16) take weight_only_expand and one GEMM.
+constexpr int64_t kWoFusedMaxRows = 32;
+
 // x @ dequant(w).T + bias by whichever of the forms above suits x. bf16 inputs of more than
 // kAmxMinRows rows go to AMX where it is usable (SmolLM2 W4A16's 120 products per step on a
 // Sapphire Rapids VM, 16 / 32 / 64 / 512 rows: 24.2 / 34.8 / 69.5 / 100.1 ms through the direct
@@ -1104,21 +1118,7 @@ void weight_only_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
 at::Tensor weight_only_product(const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                                const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  if (x.scalar_type() == at::kBFloat16 && x.size(0) > kAmxMinRows && amx_usable()) {
-    check_rows(x, "x");
-    check_weight_only(weight, scales, zeros, out_features);
-    TORCH_CHECK(tile_in_features(weight) == x.size(1), "x and weight disagree on in_features");
-    const bool has_zeros = zeros.has_value() && zeros->defined();
-    const bool has_bias = has_bias_for(bias, x, out_features);
-    if ((x.size(1) / scales.size(1)) % 2 == 0) {
-      at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-      weight_only_amx(out, x.contiguous(), weight, scales,
-                      has_zeros ? zeros->data_ptr<float>() : nullptr,
-                      has_bias ? ptr<bf16>(*bias) : nullptr);
-      return out;
-    }
-  }
-  if (x.scalar_type() == at::kFloat || x.size(0) <= kWoFusedMaxRows) {
+  if (x.scalar_type() == at::kFloat || x.size(0) <= kWoFusedMaxRows || amx_takes(x, scales)) {
     return weight_only_linear(x, weight, scales, zeros, bias, out_features);
   }
   const at::Tensor expanded =
