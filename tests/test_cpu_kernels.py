@@ -349,6 +349,10 @@ def test_weight_only_kernel_rejects_what_it_cannot_read() -> None:
         cpu_kernels.ops.weight_only_expand(weight, scales, cpu_kernels.tiled(torch.ones(20, 1)), 20)
     with pytest.raises(RuntimeError, match="disagree on in_features"):
         cpu_kernels.ops.weight_only_linear(torch.zeros(1, 32), weight, scales, None, None, 20)
+    no_groups = torch.zeros(2, 0, cpu_kernels.TILE)  # routing many bf16 rows reads the groups
+    with pytest.raises(RuntimeError, match="scales must be"):
+        cpu_kernels.ops.weight_only_product(torch.zeros(40, 64, dtype=torch.bfloat16), weight,
+                                            no_groups, None, None, 20)  # fmt: skip
     pairs = cpu_kernels.tiled_int4(torch.zeros(20, 78, dtype=torch.int8))
     two_groups = cpu_kernels.tiled(torch.ones(20, 2))
     with pytest.raises(RuntimeError, match="int4 pairs need groups of even length, got 39"):
