@@ -410,9 +410,11 @@ class WeightOnlyLinear(LinearBase):
     (`cpu_kernels.tiled`), and the kernels expand one tile at a time inside the product, so the
     weight is read at its own bit width and never written out in fp32
     (measured on a Zen 3, SmolLM2 W4A16: 166 -> 40 ms per token at concurrency 1 against the eager
-    expansion); only bf16 inputs of more than 32 rows (prefill where bf16 GEMMs are fast) expand
-    it once per call in one parallel pass and run one GEMM. On GPU a Triton kernel
-    (`triton_weight_only`) likewise dequantizes one tile of the weight at a time in registers.
+    expansion). bf16 inputs of more than 8 rows on a CPU with AMX go to AMX instead, each block
+    of 64 output features expanded once per call to bf16 (`weight_only_amx`); without AMX, bf16
+    inputs of more than 32 rows expand the whole weight once per call and run one GEMM. On GPU a
+    Triton kernel (`triton_weight_only`) likewise dequantizes one tile of the weight at a time in
+    registers.
     Elsewhere (no kernels, or groups the kernel does not take) the weight is expanded in torch
     on each call."""
 
