@@ -892,7 +892,11 @@ void tiles_product(T* o, const float* xs, int64_t rows, int64_t k, int64_t n, in
   if (direct && zero_points) {
     xsum.assign(rows * groups, 0.f);
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t i = 0; i < k; ++i) xsum[r * groups + i / group] += xs[r * k + i];
+      for (int64_t g = 0; g < groups; ++g) {
+        float sum = 0.f;
+        for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += xs[r * k + i];
+        xsum[r * groups + g] = sum;
+      }
     }
   }
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
