@@ -99,9 +99,7 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = self._logprobs(result.token_ids, result.logprobs, body.top_logprobs or 0)
             message = ChatResponseMessage(content=result.text)
             finish_reason = result.finish_reason
-            calls = None if forced is None else forced.calls(result.text)
-            if calls is not None:
-                assert forced is not None
+            if forced is not None and (calls := forced.calls(result.text)) is not None:
                 message = ChatResponseMessage(content=None, tool_calls=calls)
                 finish_reason = forced.finish_reason
             choices.append(

@@ -582,11 +582,11 @@ inline vfloat tile_zero(const float* zeros, int64_t g, int64_t v) {
   return (zeros != nullptr ? loadv(zeros + g * kTile + v * kLanes) : vfloat{}) + kZeroOffset<Q>;
 }
 
-// One tile's weight as (q - zero) * scale in fp32, the eager path's expansion value for value,
-// written as rows of kTile values (row i at dst + i * stride).
-template <typename Q>
-void expand_tile(float* dst, int64_t stride, const Q* q, const float* scales, const float* zeros,
-                 int64_t k, int64_t group) {
+// body(i, v, w) with w = (q - zero) * scale in fp32, the eager path's expansion value for value,
+// for vector v of every row i of one tile; within a group and vector, rows come in order.
+template <typename Q, typename Body>
+inline void for_each_dequantized(const Q* q, const float* scales, const float* zeros, int64_t k,
+                                 int64_t group, Body&& body) {
   for (int64_t g = 0; g < k / group; ++g) {
     for (int64_t v = 0; v < kTileVecs; ++v) {
       const vfloat s = tile_scale(scales, g, v);
@@ -596,16 +596,24 @@ void expand_tile(float* dst, int64_t stride, const Q* q, const float* scales, co
       for (; i + 2 <= end; i += 2) {
         vfloat a, b;
         widen_rows(q, i, v, a, b);
-        st(dst + i * stride + v * kLanes, (a - z) * s);
-        st(dst + (i + 1) * stride + v * kLanes, (b - z) * s);
+        body(i, v, (a - z) * s);
+        body(i + 1, v, (b - z) * s);
       }
       if constexpr (!kNibbles<Q>) {  // a group of odd length (nibbles' groups are even)
-        if (i < end) {
-          st(dst + i * stride + v * kLanes, (widen_int8(q + i * kTile + v * kLanes) - z) * s);
-        }
+        if (i < end) body(i, v, (widen_int8(q + i * kTile + v * kLanes) - z) * s);
       }
     }
   }
+}
+
+// One tile's weight dequantized in fp32, written as rows of kTile values (row i at
+// dst + i * stride).
+template <typename Q>
+void expand_tile(float* dst, int64_t stride, const Q* q, const float* scales, const float* zeros,
+                 int64_t k, int64_t group) {
+  for_each_dequantized(q, scales, zeros, k, group, [&](int64_t i, int64_t v, vfloat w) {
+    st(dst + i * stride + v * kLanes, w);
+  });
 }
 
 #pragma GCC push_options
@@ -953,23 +961,19 @@ void expand_vnni(bf16* dst, const Q* q, const float* s, const float* z, int64_t 
                  int64_t count, int64_t tile_bytes, int64_t tile_scales) {
   const int64_t n = count * kTile;
   for (int64_t j = 0; j < count; ++j) {
-    const Q* qj = q + j * tile_bytes;
-    const float* sj = s + j * tile_scales;
-    const float* zj = z != nullptr ? z + j * tile_scales : nullptr;
-    for (int64_t g = 0; g < k / group; ++g) {
-      for (int64_t v = 0; v < kTileVecs; ++v) {
-        const vfloat scale = tile_scale(sj, g, v);
-        const vfloat zero = tile_zero<Q>(zj, g, v);
-        for (int64_t i = g * group; i < (g + 1) * group; i += 2) {
-          vfloat a, b;
-          widen_rows(qj, i, v, a, b);
-          const vbits32 lo = __builtin_convertvector(to_bf16((a - zero) * scale), vbits32);
-          const vbits32 hi = __builtin_convertvector(to_bf16((b - zero) * scale), vbits32);
-          const vbits32 pair = lo | (hi << 16);
-          std::memcpy(dst + ((i / 2) * n + j * kTile + v * kLanes) * 2, &pair, sizeof pair);
-        }
-      }
-    }
+    vbits32 even{};  // row i's bf16 bits, held until row i + 1 completes the pair
+    for_each_dequantized(q + j * tile_bytes, s + j * tile_scales,
+                         z != nullptr ? z + j * tile_scales : nullptr, k, group,
+                         [&](int64_t i, int64_t v, vfloat w) {
+                           const vbits32 bits = __builtin_convertvector(to_bf16(w), vbits32);
+                           if (i % 2 == 0) {
+                             even = bits;
+                             return;
+                           }
+                           const vbits32 pair = even | (bits << 16);
+                           std::memcpy(dst + ((i / 2) * n + j * kTile + v * kLanes) * 2, &pair,
+                                       sizeof pair);
+                         });
   }
 }
 

@@ -128,7 +128,8 @@ def untiled(t: torch.Tensor, out_features: int) -> torch.Tensor:
 def int4_pairs_fit(weight: torch.Tensor, group: int) -> bool:
     """Whether an int8-held weight's values are int4 ([-8, 7]) in groups of even length, which
     `tiled_int4` stores two to a byte."""
-    return group % 2 == 0 and int(weight.min()) >= -8 and int(weight.max()) <= 7
+    low, high = torch.aminmax(weight)
+    return group % 2 == 0 and int(low) >= -8 and int(high) <= 7
 
 
 def tiled_int4(weight: torch.Tensor) -> torch.Tensor:
