@@ -504,8 +504,8 @@ void scale_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& row_scal
 // the block's accumulators in registers and no sums across lanes. Measured on a Zen 3, 32 rows x
 // 576 -> 3072 with the weight in cache: 66 GFLOP/s for the earlier dot-product form on the plain
 // layout, 139 here, as fast as oneDNN's fp32 GEMM on a packed weight while reading a quarter of
-// its bytes. bf16 inputs of many rows take weight_only_expand and one GEMM instead
-// (weight_only_product decides).
+// its bytes. On CPUs with AVX512-BF16, bf16 inputs of many rows take weight_only_expand and one
+// GEMM instead (weight_only_product decides).
 constexpr int64_t kTile = 16;  // output features per tile: 2 AVX2 vectors, 1 AVX-512 vector
 constexpr int64_t kTileVecs = kTile / kLanes;
 constexpr int kBlockRows = 12 / kTileVecs;  // 12 accumulators: 6 rows on AVX2, 12 on AVX-512
@@ -1112,9 +1112,16 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-// bf16 inputs of more rows than this on a CPU without usable AMX (whose bf16 GEMM still runs
-// several times its fp32 FMAs with AVX512-BF16) take weight_only_expand and one GEMM.
+// bf16 inputs of more rows than this on a CPU with AVX512-BF16 but without usable AMX (whose bf16
+// GEMM still runs several times its fp32 FMAs) take weight_only_expand and one GEMM. Without
+// AVX512-BF16 torch's bf16 GEMM is emulated: measured on a Zen 3 (AVX2), SmolLM2 W4A16's 120
+// products per step at 33 / 64 / 512 rows took 7.2 / 13.8 / 121 s that way, 0.20 / 0.30 / 2.5 s
+// on the panels in fp32, so bf16 inputs stay on the panels at any row count there.
+#if defined(__AVX512BF16__)
 constexpr int64_t kWoFusedMaxRows = 32;
+#else
+constexpr int64_t kWoFusedMaxRows = std::numeric_limits<int64_t>::max();
+#endif
 
 // x @ dequant(w).T + bias by whichever of the forms above suits x. bf16 inputs of more than
 // kAmxMinRows rows go to AMX where it is usable (SmolLM2 W4A16's 120 products per step on a
