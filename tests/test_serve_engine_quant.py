@@ -17,6 +17,7 @@ from qpipe.serve.artifact import ARTIFACT_MARKER, write_artifact
 from qpipe.serve.config import EngineConfig
 from qpipe.serve.engine import LLMEngine
 from qpipe.serve.sampling_params import SamplingParams
+from tests.agreement import teacher_forced_logits, top1_agreement, worst_rank
 from tests.conftest import TEST_CACHE
 from tests.model_cache import built_once
 
@@ -52,26 +53,6 @@ def compressed_checkpoint(source: Path, scheme: str) -> Path:
         AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
 
     return built_once(TEST_CACHE / f"smollm2-{scheme.lower()}-ct", build)
-
-
-def teacher_forced_logits(
-    checkpoint: Path, prompts: list[list[int]], outs: list[list[int]], dtype: torch.dtype
-) -> list[torch.Tensor]:
-    """Transformers' logits for each engine token, given the engine's history before it (a
-    divergence does not compound)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
-    with torch.inference_mode():
-        return [
-            model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1]
-            for prompt, out in zip(prompts, outs, strict=True)
-        ]
-
-
-def top1_agreement(logits: list[torch.Tensor], tokens: list[torch.Tensor]) -> float:
-    picks = torch.cat([rows.argmax(-1) for rows in logits])
-    return (picks == torch.cat(tokens)).float().mean().item()
 
 
 KINDS = {"W8A8": "Int8Linear", "FP8_DYNAMIC": "Fp8Linear", "W4A16": "WeightOnlyLinear"}
@@ -121,10 +102,7 @@ def test_compressed_checkpoint_agrees_with_transformers(
     )
     assert [rows[0].argmax().item() for rows in exact] == [out[0] for out in outs]
     # a flip picks a near-tie, never an unlikely token: every engine token is in fp64's top 3
-    ranks = [
-        (rows > rows.gather(1, t[:, None])).sum(1) for rows, t in zip(exact, tokens, strict=True)
-    ]
-    assert max(int(r.max()) for r in ranks) <= 2
+    assert worst_rank(exact, tokens) <= 2
     assert engine_agreement >= their_agreement - 0.03  # 3 flips in 96 tokens
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
