@@ -1072,7 +1072,8 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
 // bf16 x @ weight.T + bias for a bf16 weight in tiles, on CPUs whose bf16 GEMM is emulated: the
 // weight read at 2 bytes, widened in registers (direct blocks) or into an fp32 panel per tile,
 // fp32 sums, bias and one rounding, as a bf16 GEMM with fp32 accumulation does. Measured on a
-// Zen 3 (AVX2), SmolLM2 served in bf16 at concurrency 8: 13.6 output tok/s on torch's bf16 GEMM.
+// Zen 3 (AVX2), SmolLM2 served in bf16 at concurrency 8: 13.6 output tok/s on torch's bf16 GEMM,
+// 56.5 here (fp32 weights on the tiles: 57.9).
 at::Tensor dense_bf16_linear(const at::Tensor& x, const at::Tensor& weight, bool has_bias,
                              const c10::optional<at::Tensor>& bias, int64_t n) {
   const int64_t rows = x.size(0), k = x.size(1);

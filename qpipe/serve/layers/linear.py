@@ -89,7 +89,7 @@ def _packed_dense(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
     - bf16 in the same tiles where the CPU has no bf16 dot product (AVX512-BF16 or AMX), so
       torch's bf16 GEMM is emulated: `dense_linear` widens the weight and sums in fp32, as fast
       as fp32 weights while reading half the bytes. Measured on a Zen 3 (AVX2), SmolLM2 in bf16
-      at concurrency 8: 13.6 output tok/s on torch's GEMM, against 63.5 for fp32;
+      at concurrency 8: 13.6 output tok/s on torch's GEMM, 56.5 on the tiles (fp32: 57.9);
     - bf16 reordered for oneDNN's GEMM (measured on an AMX CPU: 1.3-1.6x per GEMM for 1-256
       rows, the same results bit for bit, no change at 2048 rows), where oneDNN takes bf16:
       AVX-512 or AVX-NE-CONVERT.
