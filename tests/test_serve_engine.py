@@ -3,6 +3,7 @@ caching, chunked prefill, preemption, abort, seeded sampling — and no leaked K
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
@@ -404,6 +405,16 @@ def test_auto_dtype_is_16_bit_only_where_matrix_units_exist(monkeypatch) -> None
     assert resolve_dtype("auto", "cuda", {"dtype": "float16"}) is torch.float16
     assert resolve_dtype("auto", "cuda", {"dtype": "float32"}) is torch.bfloat16
     assert resolve_dtype("float32", "cuda", {}) is torch.float32
+
+
+def test_float16_on_cpu_is_served_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    from qpipe.serve.loader import resolve_dtype
+
+    with caplog.at_level(logging.WARNING, logger="qpipe.serve.loader"):
+        assert resolve_dtype("float16", "cuda", {}) is torch.float16
+        assert not caplog.records
+        assert resolve_dtype("float16", "cpu", {}) is torch.float16
+    assert "pass --dtype bfloat16" in caplog.text
 
 
 def test_bf16_serving_keeps_a_bf16_cache_and_tracks_transformers_bf16(
