@@ -494,6 +494,29 @@ def test_bf16_weights_take_the_tiles_without_a_bf16_dot_product(
             assert ((y.double() - exact).abs() <= bound).all(), rows
 
 
+def test_fp32_weights_of_bf16_values_take_bf16_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp32 weight whose values are all bf16 (a 16-bit checkpoint served in fp32) goes into
+    bf16 tiles, half the bytes, and gives the fp32 product of fp32 inputs; one value that is not
+    a bf16 keeps the weight in fp32 tiles."""
+    monkeypatch.setattr(linear, "_mkl_runs_generic_code", lambda: True)
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(130, 201, generator=gen).to(torch.bfloat16).float()
+    bias = torch.randn(130, generator=gen)
+    layer = DenseLinear(weight, bias)
+    assert pack_linear_weights(torch.nn.Sequential(layer), batch_hint=8) == 1
+    assert layer.packed.dtype is torch.bfloat16 and layer.packed.shape == (9, 201, cpu_kernels.TILE)
+    for rows in (1, 5, 16, 17, 100):
+        x = torch.randn(rows, 201, generator=gen)
+        y = layer(x)
+        assert y.dtype is torch.float32
+        exact = F.linear(x.double(), weight.double(), bias.double())
+        torch.testing.assert_close(y.double(), exact, atol=1e-6 * exact.abs().max().item(), rtol=0)
+    weight[7, 3] += 2**-20 * weight[7, 3].abs()  # no longer a bf16 value
+    layer = DenseLinear(weight, bias)
+    pack_linear_weights(torch.nn.Sequential(layer), batch_hint=8)
+    assert layer.packed.dtype is torch.float32
+
+
 def test_dense_tile_kernel_equals_the_exact_product(monkeypatch: pytest.MonkeyPatch) -> None:
     """fp32 weights in tiles: every row count up to a block of rows and its tails, 32 and 100
     rows, 130 output features (not a whole number of tiles), in_features 200 (no multiple of a

@@ -21,6 +21,8 @@ from qpipe.serve.sampling_params import SamplingParams
 from qpipe.serve.scheduler import ScheduledBatch, ScheduledSeq
 from qpipe.serve.sequence import Sequence
 from tests.agreement import teacher_forced_logits, top1_agreement, worst_rank
+from tests.conftest import TEST_CACHE
+from tests.model_cache import built_once
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [
@@ -440,6 +442,34 @@ def test_bf16_serving_keeps_a_bf16_cache_and_tracks_transformers_bf16(
     assert top1_agreement(exact, tokens) >= their_agreement - 0.03  # two flips in 72 tokens
     assert worst_rank(exact, tokens) <= 2
     stats = bf16.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_a_bf16_checkpoint_served_in_fp32_keeps_bf16_weights_and_matches_transformers(
+    smollm2_checkpoint: Path,
+) -> None:
+    """SmolLM2 saved in bf16 (as it is published) and served with --dtype float32: where the
+    weights go to the tile kernel they stay in bf16 tiles (half fp32's memory), and the greedy
+    tokens equal transformers' fp32 load of the same checkpoint, token for token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def build(tmp: Path) -> None:
+        model = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint, dtype=torch.bfloat16)
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(smollm2_checkpoint).save_pretrained(tmp)
+
+    checkpoint = built_once(TEST_CACHE / "smollm2-135m-bf16", build)
+    served = LLMEngine(
+        EngineConfig(model=str(checkpoint), dtype="float32", kv_cache_memory_gib=0.05)
+    )
+    packed = served.model_runner.model.layers[0].gate_up_proj.packed
+    if cpu_kernels.load() and linear._fp32_tiles_beat_mkl():
+        assert packed.dtype is torch.bfloat16 and packed.shape == (192, 576, cpu_kernels.TILE)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    prompts = [served.tokenizer(p).input_ids for p in PROMPTS]
+    outs = served.generate(prompts, GREEDY)
+    assert outs == [hf_greedy(reference, prompt, GREEDY.max_tokens) for prompt in prompts]
+    stats = served.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
 
 

@@ -1069,37 +1069,44 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-// bf16 x @ weight.T + bias for a bf16 weight in tiles, on CPUs whose bf16 GEMM is emulated: the
-// weight read at 2 bytes, widened in registers (direct blocks) or into an fp32 panel per tile,
-// fp32 sums, bias and one rounding, as a bf16 GEMM with fp32 accumulation does. Measured on a
-// Zen 3 (AVX2), SmolLM2 served in bf16 at concurrency 8: 13.6 output tok/s on torch's bf16 GEMM,
-// 56.5 here (fp32 weights on the tiles: 57.9).
+// x @ weight.T + bias for a bf16 weight in tiles: the weight read at 2 bytes, widened in
+// registers (direct blocks) or into an fp32 panel per tile, fp32 sums, then the bias and one
+// rounding to x's dtype. For bf16 x on CPUs whose bf16 GEMM is emulated, as a bf16 GEMM with fp32
+// accumulation computes it: measured on a Zen 3 (AVX2), SmolLM2 served in bf16 at concurrency 8,
+// 13.6 output tok/s on torch's bf16 GEMM, 56.5 here (fp32 weights on the tiles: 57.9). For fp32
+// x, an fp32 weight whose values are all bf16 (a 16-bit checkpoint served in fp32): the same
+// products in fp32 from half the bytes.
 at::Tensor dense_bf16_linear(const at::Tensor& x, const at::Tensor& weight, bool has_bias,
                              const c10::optional<at::Tensor>& bias, int64_t n) {
   const int64_t rows = x.size(0), k = x.size(1);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({rows, n}, x.options());
-  tiles_product(ptr<bf16>(out), xf.data_ptr<float>(), rows, k, n, weight.size(0),
-                ptr<bf16>(weight), nullptr, nullptr, k, has_bias ? ptr<bf16>(*bias) : nullptr,
-                Epilogue{});
+  dispatch(x, "dense_linear", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    tiles_product(ptr<T>(out), xf.data_ptr<float>(), rows, k, n, weight.size(0),
+                  ptr<bf16>(weight), nullptr, nullptr, k, has_bias ? ptr<T>(*bias) : nullptr,
+                  Epilogue{});
+  });
   return out;
 }
 
 // x @ weight.T + bias for an fp32 weight laid out in tiles ([tiles, in_features, kTile]), which
 // are the panels themselves. Measured on a Zen 3 against oneDNN's GEMM on its packed weight, the
 // weights from DRAM as in serving: 1.3-2x at 1-16 rows (1 row: 23 against 14 GB/s), 1-1.5x at
-// 32-64, even at 160, 0.8-0.9x at 512. bf16 x takes bf16 tiles (`dense_bf16_linear`).
+// 32-64, even at 160, 0.8-0.9x at 512. bf16 tiles go to `dense_bf16_linear`.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
                         const c10::optional<at::Tensor>& bias, int64_t out_features) {
   check_rows(x, "x");
   const bool bf16_input = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.scalar_type() == at::kFloat || bf16_input,
               "dense_linear takes float32 or bfloat16 inputs");
-  check_tiles(weight, x.scalar_type(), bf16_input ? "bfloat16" : "float32", out_features);
+  const bool bf16_tiles = bf16_input || weight.scalar_type() == at::kBFloat16;
+  check_tiles(weight, bf16_tiles ? at::kBFloat16 : at::kFloat,
+              bf16_tiles ? "bfloat16" : "float32", out_features);
   const int64_t rows = x.size(0), k = x.size(1), n = out_features;
   TORCH_CHECK(weight.size(1) == k, "x and weight disagree on in_features");
   const bool has_bias = has_bias_for(bias, x, n);
-  if (bf16_input) return dense_bf16_linear(x, weight, has_bias, bias, n);
+  if (bf16_tiles) return dense_bf16_linear(x, weight, has_bias, bias, n);
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({rows, n}, x.options());
   const float* xs = xc.data_ptr<float>();

@@ -86,6 +86,8 @@ def _packed_dense(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
         Rapids VM, SmolLM2's 120 products per step from DRAM against MKL: 4 / 8 / 16 / 32 /
         64 rows 1.55 / 1.64 / 1.41 / 1.26 / 1.14x, 160 rows 0.97x, 512 rows 0.91x; offline at
         concurrency 8 / 32: 108.3 / 252 -> 159.0 / 269 output tok/s, even at 1;
+    - an fp32 weight whose values are all bf16 (a 16-bit checkpoint served in fp32) in bf16
+      tiles: the same fp32 products from half the memory and half the bytes per step;
     - bf16 in the same tiles where the CPU has no bf16 dot product (AVX512-BF16 or AMX), so
       torch's bf16 GEMM is emulated: `dense_linear` widens the weight and sums in fp32, as fast
       as fp32 weights while reading half the bytes. Measured on a Zen 3 (AVX2), SmolLM2 in bf16
@@ -95,7 +97,7 @@ def _packed_dense(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
       AVX-512 or AVX-NE-CONVERT.
     An Intel CPU without AVX-512 keeps MKL for fp32: neither is measured there."""
     if weight.dtype is torch.float32 and _fp32_tiles_beat_mkl() and cpu_kernels.load():
-        return cpu_kernels.tiled(weight)
+        return cpu_kernels.tiled(weight.to(torch.bfloat16) if _bf16_exact(weight) else weight)
     if weight.dtype is torch.bfloat16 and not _has_bf16_dot_product() and cpu_kernels.load():
         return cpu_kernels.tiled(weight)
     return _packed_for_onednn(weight, batch_hint)
@@ -146,6 +148,11 @@ def _fp32_tiles_beat_mkl() -> bool:
 
 def _has_avx512() -> bool:
     return "avx512f" in (cpu_kernels.cpuinfo("flags") or "").split()
+
+
+def _bf16_exact(weight: torch.Tensor) -> bool:
+    """Whether every fp32 value is a bf16 value: its low 16 bits are zero."""
+    return not (weight.view(torch.int32) & 0xFFFF).any()
 
 
 def _has_bf16_dot_product() -> bool:
