@@ -206,8 +206,9 @@ def read_config_json(path: Path) -> dict:
 def resolve_dtype(requested: str, device: str, checkpoint: dict) -> torch.dtype:
     """ "auto" computes in 16 bits wherever the hardware has 16-bit matrix units: the checkpoint's
     16-bit dtype on GPU (bf16 when it is stored in fp32), bf16 on CPUs with AMX (measured on one:
-    bf16 GEMMs 3-7x faster than fp32, serving ~1.9x), fp32 on other CPUs, where bf16 GEMMs run
-    slower than fp32. vLLM's "auto" downcasts fp32 checkpoints the same way. float16 on CPU is
+    bf16 GEMMs 3-7x faster than fp32, serving ~1.9x), fp32 on other CPUs, where bf16 is summed
+    on the same fp32 FMAs and is no faster (a 16-bit checkpoint's weights stay bf16 in memory
+    there: `linear._packed_dense`). vLLM's "auto" downcasts fp32 checkpoints. float16 on CPU is
     served but warned about: the CPU kernels take fp32 and bf16 only, and torch's eager fp16 ops
     are slow there (SmolLM2 on a Zen 3: TTFT 3.9 s for 128 tokens, against 0.5 s in bf16)."""
     if requested == "float16" and device == "cpu":

@@ -87,11 +87,12 @@ def _packed_dense(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
         64 rows 1.55 / 1.64 / 1.41 / 1.26 / 1.14x, 160 rows 0.97x, 512 rows 0.91x; offline at
         concurrency 8 / 32: 108.3 / 252 -> 159.0 / 269 output tok/s, even at 1;
     - an fp32 weight whose values are all bf16 (a 16-bit checkpoint served in fp32) in bf16
-      tiles: the same fp32 products from half the memory and half the bytes per step;
+      tiles: the same fp32 products from half the memory (SmolLM2 in bf16: 513 -> 256 MiB),
+      level in throughput on a Zen 3; not measured against the paired fp32 tiles of AVX-512;
     - bf16 in the same tiles where the CPU has no bf16 dot product (AVX512-BF16 or AMX), so
-      torch's bf16 GEMM is emulated: `dense_linear` widens the weight and sums in fp32, as fast
-      as fp32 weights while reading half the bytes. Measured on a Zen 3 (AVX2), SmolLM2 in bf16
-      at concurrency 8: 13.6 output tok/s on torch's GEMM, 56.5 on the tiles (fp32: 57.9);
+      torch's bf16 GEMM is emulated: `dense_linear` widens the weight and sums in fp32.
+      Measured on a Zen 3 (AVX2), SmolLM2 in bf16 at concurrency 8: 13.6 output tok/s on
+      torch's GEMM, 56.5 on the tiles (fp32: 57.9); ~8 % behind fp32 at 32;
     - bf16 reordered for oneDNN's GEMM (measured on an AMX CPU: 1.3-1.6x per GEMM for 1-256
       rows, the same results bit for bit, no change at 2048 rows), where oneDNN takes bf16:
       AVX-512 or AVX-NE-CONVERT.
