@@ -1148,16 +1148,17 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-// bf16 inputs of more rows than this on a CPU with AVX512-BF16 but without usable AMX (whose bf16
-// GEMM still runs several times its fp32 FMAs) take weight_only_expand and one GEMM. Without
-// AVX512-BF16 torch's bf16 GEMM is emulated: measured on a Zen 3 (AVX2), SmolLM2 W4A16's 120
-// products per step at 33 / 64 / 512 rows took 7.2 / 13.8 / 121 s that way, 0.20 / 0.30 / 2.5 s
-// on the panels in fp32, so bf16 inputs stay on the panels at any row count there.
+// Whether torch's bf16 GEMM runs on the CPU's own bf16 dot product (AVX512-BF16), where bf16
+// inputs of more than kWoFusedMaxRows rows without usable AMX take weight_only_expand and one GEMM
+// (several times the fp32 FMAs). Elsewhere that GEMM is emulated: measured on a Zen 3 (AVX2),
+// SmolLM2 W4A16's 120 products per step at 33 / 64 / 512 rows took 7.2 / 13.8 / 121 s that way,
+// 0.20 / 0.30 / 2.5 s on the panels in fp32, so bf16 inputs stay on the panels there.
 #if defined(__AVX512BF16__)
-constexpr int64_t kWoFusedMaxRows = 32;
+constexpr bool kNativeBf16Gemm = true;
 #else
-constexpr int64_t kWoFusedMaxRows = std::numeric_limits<int64_t>::max();
+constexpr bool kNativeBf16Gemm = false;
 #endif
+constexpr int64_t kWoFusedMaxRows = 32;
 
 // x @ dequant(w).T + bias by whichever of the forms above suits x. bf16 inputs of more than
 // kAmxMinRows rows go to AMX where it is usable (SmolLM2 W4A16's 120 products per step on a
@@ -1169,7 +1170,8 @@ constexpr int64_t kWoFusedMaxRows = std::numeric_limits<int64_t>::max();
 at::Tensor weight_only_product(const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                                const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  if (x.scalar_type() == at::kFloat || x.size(0) <= kWoFusedMaxRows || amx_takes(x, scales)) {
+  if (x.scalar_type() == at::kFloat || !kNativeBf16Gemm || x.size(0) <= kWoFusedMaxRows ||
+      amx_takes(x, scales)) {
     return weight_only_linear(x, weight, scales, zeros, bias, out_features);
   }
   const at::Tensor expanded =
