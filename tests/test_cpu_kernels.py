@@ -4,6 +4,9 @@ sizes above 16, lengths that end mid-block), and the engine's two paths against 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -222,6 +225,35 @@ def test_the_int8_exactness_probe_tells_what_a_full_range_product_shows() -> Non
     assert onednn_int8_is_exact() == torch.equal(product, exact)
 
 
+ONEDNN_PRODUCTS = """
+import torch
+from qpipe.serve.layers.linear import Int8Linear, pack_linear_weights
+for dtype in (torch.float32, torch.bfloat16):
+    layer = Int8Linear(torch.ones(1536, 576, dtype=torch.int8), torch.ones(1536), None)
+    pack_linear_weights(torch.nn.Sequential(layer), batch_hint=32)
+    for rows in (1, 32, 512):
+        layer(torch.randn(rows, 576).to(dtype))
+"""
+
+
+def test_w8a8_products_run_on_a_onednn_jit_kernel_not_its_reference_one() -> None:
+    """oneDNN answers a configuration none of its kernels takes with its reference GEMM, exact and
+    thousands of times slower: int8 inputs did so on a VNNI CPU without AMX (a Zen 4), 0.1 GOP/s,
+    and every W8A8 engine load there took minutes. Its verbose log names the kernel each product
+    ran on; every W8A8 product, as served, must name a JIT one."""
+    if not onednn_int8_is_exact():
+        pytest.skip("no VNNI: W8A8 layers multiply in the CPU kernels' tiles, not on oneDNN")
+    env = {**os.environ, "ONEDNN_VERBOSE": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", ONEDNN_PRODUCTS], env=env, capture_output=True, text=True, check=True
+    )
+    kernels = {
+        line.split(",")[6] for line in run.stdout.splitlines() if ",exec,cpu,matmul," in line
+    }
+    assert kernels, run.stdout[-2000:]
+    assert not [k for k in kernels if k.startswith("ref")], kernels
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("activations", ["outlier", "full-range"])
@@ -413,7 +445,7 @@ def test_onednn_packed_bf16_linear_gives_the_same_bits(
     rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a CPU with a bf16 dot product, bf16 weights go to oneDNN where it takes them."""
-    monkeypatch.setattr(linear, "_has_bf16_dot_product", lambda: True)
+    monkeypatch.setattr(linear, "has_bf16_dot_product", lambda: True)
     gen = torch.Generator().manual_seed(6)
     weight = torch.randn(960, 576, generator=gen).to(torch.bfloat16)
     bias = torch.randn(960, generator=gen).to(torch.bfloat16)
@@ -471,7 +503,7 @@ def test_bf16_weights_take_the_tiles_without_a_bf16_dot_product(
     half a bf16 ulp, plus the fp32 sums' error), at every row count up to a block of rows and its
     tails, 32 and 100 rows, a tile of padding, an in_features of no whole vector; with and
     without bias."""
-    monkeypatch.setattr(linear, "_has_bf16_dot_product", lambda: dot_product)
+    monkeypatch.setattr(linear, "has_bf16_dot_product", lambda: dot_product)
     if not kernels:
         monkeypatch.setattr(cpu_kernels, "load", lambda: False)
     gen = torch.Generator().manual_seed(10)

@@ -397,13 +397,20 @@ def test_bad_requests_are_rejected_with_the_reason(engine: LLMEngine) -> None:
     assert out.finished and out.finish_reason == "length" and out.num_prompt_tokens == 3
 
 
-def test_auto_dtype_is_16_bit_only_where_matrix_units_exist(monkeypatch) -> None:
+def test_auto_dtype_is_16_bit_only_where_the_hardware_multiplies_16_bit_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from qpipe.serve.loader import resolve_dtype
 
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert resolve_dtype("auto", "cpu", {"dtype": "float32"}) is torch.bfloat16
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    assert resolve_dtype("auto", "cpu", {"dtype": "bfloat16"}) is torch.float32
+    for flags, dtype in [
+        ("fpu avx512f amx_bf16 amx_tile", torch.bfloat16),  # Sapphire Rapids
+        ("fpu avx512f avx512_bf16 avx512_vnni", torch.bfloat16),  # Zen 4
+        ("fpu avx512f avx512_vnni", torch.float32),  # Cascade Lake
+        ("fpu avx2 fma", torch.float32),  # Zen 3
+    ]:
+        monkeypatch.setattr(cpu_kernels, "cpuinfo", lambda key, f=flags: f)
+        assert resolve_dtype("auto", "cpu", {"dtype": "float32"}) is dtype, flags
+        assert resolve_dtype("auto", "cpu", {"dtype": "bfloat16"}) is dtype, flags
     assert resolve_dtype("auto", "cuda", {"dtype": "float16"}) is torch.float16
     assert resolve_dtype("auto", "cuda", {"dtype": "float32"}) is torch.bfloat16
     assert resolve_dtype("float32", "cuda", {}) is torch.float32
@@ -431,7 +438,7 @@ def test_bf16_serving_keeps_a_bf16_cache_and_tracks_transformers_bf16(
     )
     assert bf16.model_runner.kv_cache.dtype is torch.bfloat16
     packed = bf16.model_runner.model.layers[0].qkv_proj.packed
-    if cpu_kernels.load() and not linear._has_bf16_dot_product():
+    if cpu_kernels.load() and not linear.has_bf16_dot_product():
         assert packed.dtype is torch.bfloat16 and packed.shape[1:] == (576, cpu_kernels.TILE)
     prompts = [bf16.tokenizer(p).input_ids for p in PROMPTS]
     outs = bf16.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))

@@ -94,15 +94,17 @@ def test_compressed_checkpoint_agrees_with_transformers(
     exact = teacher_forced_logits(checkpoint, prompts, outs, torch.float64)
     yardstick = teacher_forced_logits(checkpoint, prompts, outs, dtype)
     tokens = [torch.tensor(out) for out in outs]
+    their_tokens = [rows.argmax(-1) for rows in yardstick]
     engine_agreement = top1_agreement(exact, tokens)
-    their_agreement = top1_agreement(exact, [rows.argmax(-1) for rows in yardstick])
+    their_agreement = top1_agreement(exact, their_tokens)
     print(
         f"{scheme} {dtype}: top-1 agreement with fp64 {engine_agreement:.3f}, "
         f"transformers' {their_agreement:.3f}"
     )
     assert [rows[0].argmax().item() for rows in exact] == [out[0] for out in outs]
-    # a flip picks a near-tie, never an unlikely token: every engine token is in fp64's top 3
-    assert worst_rank(exact, tokens) <= 2
+    # a flip picks a near-tie, never an unlikely token: every engine token is in fp64's top 3, or
+    # no lower than transformers' own picks go (W8A8 on a Zen 4: 4th place, both)
+    assert worst_rank(exact, tokens) <= max(2, worst_rank(exact, their_tokens))
     assert engine_agreement >= their_agreement - 0.03  # 3 flips in 96 tokens
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
