@@ -353,7 +353,7 @@ def test_weight_only_kernels_equal_the_exact_product(
     assert layer.packed.shape == (9, in_features // (2 if paired else 1), cpu_kernels.TILE)
     assert torch.equal(layer.quantized()[0], weight)
     # 1-12: every tail of a block of rows; 17-32: panels; 33, 100: panels in fp32, expanded in bf16
-    # (bf16 above 8 rows: AMX where usable, 300 in two brgemm calls of 256 and 44 rows)
+    # (bf16 above 8 rows: brgemm on AMX or AVX512-BF16, 300 in two calls of 256 and 44 rows)
     for rows in (*range(1, 13), 32, 33, 100, 300):
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
         check(x)

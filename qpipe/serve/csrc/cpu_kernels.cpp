@@ -947,6 +947,17 @@ void tiles_product(T* o, const float* xs, int64_t rows, int64_t k, int64_t n, in
   });
 }
 
+// Whether the CPU multiplies bf16 pairs itself (AVX512-BF16, compiled for with -march=native), so
+// that torch's bf16 GEMM and oneDNN's micro-GEMM run natively. Elsewhere torch's bf16 GEMM is
+// emulated: measured on a Zen 3 (AVX2), SmolLM2 W4A16's 120 products per step at 33 / 64 / 512 rows
+// took 7.2 / 13.8 / 121 s that way, 0.20 / 0.30 / 2.5 s on the panels in fp32, so bf16 inputs stay
+// on the panels there.
+#if defined(__AVX512BF16__)
+constexpr bool kNativeBf16Gemm = true;
+#else
+constexpr bool kNativeBf16Gemm = false;
+#endif
+
 // Whether AMX tiles can be used here: the CPU has them and the kernel grants them to this process
 // (`init_amx` asks). Some VMs report AMX but fault on its first instruction without that grant.
 bool amx_usable() {
@@ -954,15 +965,23 @@ bool amx_usable() {
   return usable;
 }
 
-// The AMX path's blocking, measured on a Sapphire Rapids VM (2 cores) over SmolLM2's 120 products
-// per step: 4 tiles (N = 64) beat 2 and 8; 256-row calls took 512 rows in 63 ms against 94 ms in
-// 32-row calls (oneDNN's bf16 GEMM on a packed bf16 weight: 58 ms).
-constexpr int64_t kAmxTiles = 4;
-constexpr int64_t kAmxRows = 256;  // input rows per brgemm call
-// bf16 inputs of more rows than this take the AMX path where it is usable. Below, the direct
+// Whether torch's oneDNN micro-GEMM (brgemm) multiplies bf16 here: on AMX, or on AVX512-BF16's
+// dot product (a Zen 4). AMX is asked for first, so that brgemm may use it.
+bool bf16_brgemm_usable() {
+  static const bool usable = amx_usable() || kNativeBf16Gemm;
+  return usable;
+}
+
+// The brgemm path's blocking, measured on a Sapphire Rapids VM (2 cores, AMX) over SmolLM2's 120
+// products per step: 4 tiles (N = 64) beat 2 and 8; 256-row calls took 512 rows in 63 ms against
+// 94 ms in 32-row calls (oneDNN's bf16 GEMM on a packed bf16 weight: 58 ms).
+constexpr int64_t kBrgemmTiles = 4;
+constexpr int64_t kBrgemmRows = 256;  // input rows per brgemm call
+// bf16 inputs of more rows than this take the brgemm path where it is usable. Below, the direct
 // blocks read the weight faster than any expansion: measured as above, 2 / 4 / 8 / 12 / 16 rows
-// 6.2 / 8.4 / 13.7 / 19.1 / 24.2 ms direct against 13.7-14.5 ms through AMX at any of them.
-constexpr int64_t kAmxMinRows = 8;
+// 6.2 / 8.4 / 13.7 / 19.1 / 24.2 ms direct against 13.7-14.5 ms through AMX at any of them; on a
+// Zen 4 (AVX512-BF16, no AMX) 8 rows 14.8 ms direct, 9 rows 15.9 ms through brgemm.
+constexpr int64_t kBrgemmMinRows = 8;
 
 // `count` tiles of a weight-only weight (from tile `q`, scales `s`, zero points `z`, each tile
 // `tile_bytes` and `tile_scales` after the last) as bf16 (q - z) * s in brgemm's VNNI layout for
@@ -989,12 +1008,12 @@ void expand_vnni(bf16* dst, const Q* q, const float* s, const float* z, int64_t 
   }
 }
 
-// o [rows, n] = x (bf16) @ dequant(w).T + bias on AMX: the threads split the weight into blocks of
-// kAmxTiles tiles; each block is expanded once into bf16 VNNI form (L2-sized: k * 64 * 2 bytes)
-// and multiplied by every kAmxRows rows of x in one brgemm call (torch's oneDNN micro-GEMM), fp32
+// o [rows, n] = x (bf16) @ dequant(w).T + bias on brgemm (AMX or AVX512-BF16): the threads split
+// the weight into blocks of kBrgemmTiles tiles; each block is expanded once into bf16 VNNI form (L2-sized: k * 64 * 2 bytes)
+// and multiplied by every kBrgemmRows rows of x in one brgemm call (torch's oneDNN micro-GEMM), fp32
 // sums, then bias and one rounding to bf16. The weight is read at its own bit width, never
 // written out whole. Needs an even group length, as int4 pairs do.
-void weight_only_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+void weight_only_brgemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                      const at::Tensor& scales, const float* z, const bf16* bias) {
   const int64_t rows = x.size(0), k = x.size(1), n = out.size(1), tiles = weight.size(0);
   const int64_t group = k / scales.size(1), tile_bytes = weight.size(1) * kTile;
@@ -1003,18 +1022,18 @@ void weight_only_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
   bf16* o = ptr<bf16>(out);
   const float* s = scales.data_ptr<float>();
   with_tile_values(weight, [&](const auto* q) {
-    const int64_t blocks = (tiles + kAmxTiles - 1) / kAmxTiles;
+    const int64_t blocks = (tiles + kBrgemmTiles - 1) / kBrgemmTiles;
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<bf16> panel(k * kAmxTiles * kTile);
-      std::vector<float> sums(kAmxRows * kAmxTiles * kTile);
+      std::vector<bf16> panel(k * kBrgemmTiles * kTile);
+      std::vector<float> sums(kBrgemmRows * kBrgemmTiles * kTile);
       for (int64_t blk = begin; blk < end; ++blk) {
-        const int64_t t0 = blk * kAmxTiles, count = std::min(kAmxTiles, tiles - t0);
+        const int64_t t0 = blk * kBrgemmTiles, count = std::min(kBrgemmTiles, tiles - t0);
         const int64_t width = count * kTile, first = t0 * kTile, cols = std::min(width, n - first);
         expand_vnni(panel.data(), q + t0 * tile_bytes, s + t0 * tile_scales,
                     z != nullptr ? z + t0 * tile_scales : nullptr, k, group, count, tile_bytes,
                     tile_scales);
-        for (int64_t r = 0; r < rows; r += kAmxRows) {
-          const int64_t m = std::min(kAmxRows, rows - r);
+        for (int64_t r = 0; r < rows; r += kBrgemmRows) {
+          const int64_t m = std::min(kBrgemmRows, rows - r);
           at::native::cpublas::brgemm(
               m, width, k, k, width, width, false,
               reinterpret_cast<const at::BFloat16*>(xs + r * k),
@@ -1035,12 +1054,12 @@ void weight_only_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
   });
 }
 
-// Whether weight_only_linear takes x to AMX: bf16 rows enough to gain, groups of even length
+// Whether weight_only_linear takes x to brgemm: bf16 rows enough to gain, groups of even length
 // (asked before the operands are checked, so it reads their shapes with care).
-bool amx_takes(const at::Tensor& x, const at::Tensor& scales) {
-  return x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) > kAmxMinRows &&
+bool brgemm_takes(const at::Tensor& x, const at::Tensor& scales) {
+  return x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) > kBrgemmMinRows &&
          scales.dim() == 3 && scales.size(1) > 0 && (x.size(1) / scales.size(1)) % 2 == 0 &&
-         amx_usable();
+         bf16_brgemm_usable();
 }
 
 at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
@@ -1053,8 +1072,8 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
   const bool has_zeros = zeros.has_value() && zeros->defined();
   const bool has_bias = has_bias_for(bias, x, n);
   at::Tensor out = at::empty({rows, n}, x.options());
-  if (amx_takes(x, scales)) {
-    weight_only_amx(out, x.contiguous(), weight, scales,
+  if (brgemm_takes(x, scales)) {
+    weight_only_brgemm(out, x.contiguous(), weight, scales,
                     has_zeros ? zeros->data_ptr<float>() : nullptr,
                     has_bias ? ptr<bf16>(*bias) : nullptr);
     return out;
@@ -1150,30 +1169,24 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-// Whether torch's bf16 GEMM runs on the CPU's own bf16 dot product (AVX512-BF16), where bf16
-// inputs of more than kWoFusedMaxRows rows without usable AMX take weight_only_expand and one GEMM
-// (several times the fp32 FMAs). Elsewhere that GEMM is emulated: measured on a Zen 3 (AVX2),
-// SmolLM2 W4A16's 120 products per step at 33 / 64 / 512 rows took 7.2 / 13.8 / 121 s that way,
-// 0.20 / 0.30 / 2.5 s on the panels in fp32, so bf16 inputs stay on the panels there.
-#if defined(__AVX512BF16__)
-constexpr bool kNativeBf16Gemm = true;
-#else
-constexpr bool kNativeBf16Gemm = false;
-#endif
+// bf16 inputs of more than this many rows whose groups brgemm cannot take (odd lengths) go to
+// weight_only_expand and one bf16 GEMM where that GEMM is native (kNativeBf16Gemm).
 constexpr int64_t kWoFusedMaxRows = 32;
 
 // x @ dequant(w).T + bias by whichever of the forms above suits x. bf16 inputs of more than
-// kAmxMinRows rows go to AMX where it is usable (SmolLM2 W4A16's 120 products per step on a
-// Sapphire Rapids VM, 16 / 32 / 64 / 512 rows: 24.2 / 34.8 / 69.5 / 100.1 ms through the direct
-// blocks, panels or expansion -> 14.8 / 15.8 / 18.1 / 66.4 ms, level with bf16 weights on oneDNN).
-// fp32 inputs stay on the panels at any row count: measured on a Zen 3 with the weights from DRAM, 1.1-2.6x faster than
-// expand + fp32 GEMM from 33 to 2048 rows (2048 x 576 -> 3072: 54 against 58 ms), and a step
-// that mixes prefill and decode rows no longer expands every weight.
+// kBrgemmMinRows rows go to brgemm where it is usable. SmolLM2 W4A16's 120 products per step, ms,
+// through the direct blocks, panels or expansion -> brgemm: on a Sapphire Rapids VM (AMX), 16 /
+// 32 / 64 / 512 rows 24.2 / 34.8 / 69.5 / 100.1 -> 14.8 / 15.8 / 18.1 / 66.4; on a Zen 4
+// (AVX512-BF16), 16 / 32 / 64 / 128 / 512 rows 22.9 / 42.6 / 87.4 / 111.9 / 340.6 -> 20.0 / 29.4 /
+// 46.0 / 79.4 / 287.1; level with bf16 weights on oneDNN on both. fp32 inputs stay on the panels
+// at any row count: measured on a Zen 3 with the weights from DRAM, 1.1-2.6x faster than expand +
+// fp32 GEMM from 33 to 2048 rows (2048 x 576 -> 3072: 54 against 58 ms), and a step that mixes
+// prefill and decode rows no longer expands every weight.
 at::Tensor weight_only_product(const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                                const c10::optional<at::Tensor>& bias, int64_t out_features) {
   if (x.scalar_type() == at::kFloat || !kNativeBf16Gemm || x.size(0) <= kWoFusedMaxRows ||
-      amx_takes(x, scales)) {
+      brgemm_takes(x, scales)) {
     return weight_only_linear(x, weight, scales, zeros, bias, out_features);
   }
   const at::Tensor expanded =

@@ -436,9 +436,10 @@ class WeightOnlyLinear(LinearBase):
     (`cpu_kernels.tiled`), and the kernels expand one tile at a time inside the product, so the
     weight is read at its own bit width and never written out in fp32
     (measured on a Zen 3, SmolLM2 W4A16: 166 -> 40 ms per token at concurrency 1 against the eager
-    expansion). bf16 inputs of more than 8 rows on a CPU with AMX go to AMX instead, each block
-    of 64 output features expanded once per call to bf16 (`weight_only_amx`); without AMX, bf16
-    inputs of more than 32 rows expand the whole weight once per call and run one GEMM. On GPU a
+    expansion). bf16 inputs of more than 8 rows on a CPU with a bf16 dot product (AMX or
+    AVX512-BF16) go to oneDNN's micro-GEMM instead, each block of 64 output features expanded
+    once per call to bf16 (`weight_only_brgemm`; groups of odd length expand the whole weight
+    above 32 rows and run one GEMM); elsewhere they stay on fp32 FMAs. On GPU a
     Triton kernel (`triton_weight_only`) likewise dequantizes one tile of the weight at a time in
     registers.
     Elsewhere (no kernels, or groups the kernel does not take) the weight is expanded in torch
