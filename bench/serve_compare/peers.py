@@ -32,7 +32,7 @@ LABELS = {
     "vllm-bf16": "vLLM (CPU), bf16 (its auto for this checkpoint)",
     "vllm-512": "vLLM (CPU), fp32, 512-token steps",
     "qpipe": "qpipe serve, fp32",
-    "qpipe-bf16": "qpipe serve, bf16 (its auto on AMX CPUs)",
+    "qpipe-bf16": "qpipe serve, bf16 (its auto on CPUs with a bf16 dot product)",
     "qpipe-int8": "qpipe serve, int8 W8A8 artifact (auto dtype)",
     "qpipe-w4a16": "qpipe serve, int4 W4A16 checkpoint (group 64, auto dtype)",
     "qpipe-2048": "qpipe serve, fp32, 2048-token steps",
