@@ -211,9 +211,9 @@ def resolve_dtype(requested: str, device: str, checkpoint: dict) -> torch.dtype:
     without AMX: SmolLM2 served 1.4x / 1.6x fp32 at concurrency 8 / 32 on a Zen 4, level at 1),
     fp32 on other CPUs, where bf16 is summed on the same fp32 FMAs and is no faster (a 16-bit
     checkpoint's weights stay bf16 in memory there: `linear._packed_dense`). vLLM's "auto"
-    downcasts fp32 checkpoints. float16 on CPU is
-    served but warned about: the CPU kernels take fp32 and bf16 only, and torch's eager fp16 ops
-    are slow there (SmolLM2 on a Zen 3: TTFT 3.9 s for 128 tokens, against 0.5 s in bf16)."""
+    downcasts fp32 checkpoints. float16 on CPU is served but warned about: the CPU kernels take
+    fp32 and bf16 only, and torch's eager fp16 ops are slow there (SmolLM2 on a Zen 3: TTFT 3.9 s
+    for 128 tokens, against 0.5 s in bf16)."""
     if requested == "float16" and device == "cpu":
         log.warning(
             "--dtype float16 on CPU runs on torch's eager fp16 ops, several times slower than "

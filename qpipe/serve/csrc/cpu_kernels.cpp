@@ -1009,12 +1009,12 @@ void expand_vnni(bf16* dst, const Q* q, const float* s, const float* z, int64_t 
 }
 
 // o [rows, n] = x (bf16) @ dequant(w).T + bias on brgemm (AMX or AVX512-BF16): the threads split
-// the weight into blocks of kBrgemmTiles tiles; each block is expanded once into bf16 VNNI form (L2-sized: k * 64 * 2 bytes)
-// and multiplied by every kBrgemmRows rows of x in one brgemm call (torch's oneDNN micro-GEMM), fp32
-// sums, then bias and one rounding to bf16. The weight is read at its own bit width, never
-// written out whole. Needs an even group length, as int4 pairs do.
+// the weight into blocks of kBrgemmTiles tiles; each block is expanded once into bf16 VNNI form
+// (L2-sized: k * 64 * 2 bytes) and multiplied by every kBrgemmRows rows of x in one brgemm call
+// (torch's oneDNN micro-GEMM), fp32 sums, then bias and one rounding to bf16. The weight is read
+// at its own bit width, never written out whole. Needs an even group length, as int4 pairs do.
 void weight_only_brgemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                     const at::Tensor& scales, const float* z, const bf16* bias) {
+                        const at::Tensor& scales, const float* z, const bf16* bias) {
   const int64_t rows = x.size(0), k = x.size(1), n = out.size(1), tiles = weight.size(0);
   const int64_t group = k / scales.size(1), tile_bytes = weight.size(1) * kTile;
   const int64_t tile_scales = scales.size(1) * kTile;
@@ -1074,8 +1074,8 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
   at::Tensor out = at::empty({rows, n}, x.options());
   if (brgemm_takes(x, scales)) {
     weight_only_brgemm(out, x.contiguous(), weight, scales,
-                    has_zeros ? zeros->data_ptr<float>() : nullptr,
-                    has_bias ? ptr<bf16>(*bias) : nullptr);
+                       has_zeros ? zeros->data_ptr<float>() : nullptr,
+                       has_bias ? ptr<bf16>(*bias) : nullptr);
     return out;
   }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
