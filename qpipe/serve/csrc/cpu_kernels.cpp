@@ -958,17 +958,11 @@ constexpr bool kNativeBf16Gemm = true;
 constexpr bool kNativeBf16Gemm = false;
 #endif
 
-// Whether AMX tiles can be used here: the CPU has them and the kernel grants them to this process
-// (`init_amx` asks). Some VMs report AMX but fault on its first instruction without that grant.
-bool amx_usable() {
-  static const bool usable = at::cpu::init_amx();
-  return usable;
-}
-
-// Whether torch's oneDNN micro-GEMM (brgemm) multiplies bf16 here: on AMX, or on AVX512-BF16's
-// dot product (a Zen 4). AMX is asked for first, so that brgemm may use it.
+// Whether torch's oneDNN micro-GEMM (brgemm) multiplies bf16 here: on AMX tiles where the CPU has
+// them and the kernel grants them to this process (`init_amx` asks first: some VMs report AMX but
+// fault on its first instruction without that grant), or on AVX512-BF16's dot product (a Zen 4).
 bool bf16_brgemm_usable() {
-  static const bool usable = amx_usable() || kNativeBf16Gemm;
+  static const bool usable = at::cpu::init_amx() || kNativeBf16Gemm;
   return usable;
 }
 
