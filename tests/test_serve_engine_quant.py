@@ -13,9 +13,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from qpipe.serve.artifact import ARTIFACT_MARKER, write_artifact
+from qpipe.serve.artifact import ARTIFACT_MARKER, ArtifactWeights, write_artifact
 from qpipe.serve.config import EngineConfig
 from qpipe.serve.engine import LLMEngine
+from qpipe.serve.layers import cpu_kernels
+from qpipe.serve.layers.linear import LinearBase
+from qpipe.serve.loader import CheckpointWeights, load_model
 from qpipe.serve.sampling_params import SamplingParams
 from tests.agreement import teacher_forced_logits, top1_agreement, worst_rank
 from tests.conftest import TEST_CACHE
@@ -128,6 +131,32 @@ def test_artifact_serves_the_same_tokens_as_its_checkpoint(
         prompts = [engine.tokenizer(p).input_ids for p in PROMPTS[2:]]
         outs[path] = engine.generate(prompts, GREEDY)
     assert outs[artifact] == outs[checkpoint]
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the CPU kernels (int4 tiles) cannot be built")
+@pytest.mark.parametrize("source", [CheckpointWeights, ArtifactWeights])
+def test_cpu_load_packs_each_layer_before_it_reads_the_next(
+    smollm2_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: type
+) -> None:
+    """W4A16 is read one int4 value per byte and served two per byte: a model that packed its
+    layers only after reading all of them held every layer in both forms at the peak."""
+    path = compressed_checkpoint(smollm2_checkpoint, "W4A16")
+    if source is ArtifactWeights:
+        path = write_artifact(path, tmp_path / "artifact")
+    read = source.linear
+    returned: list[LinearBase] = []
+    unpacked_at_each_read: list[int] = []
+
+    def spy(self: object, name: str, parts: list[str]) -> LinearBase:
+        unpacked_at_each_read.append(sum(layer.packed is None for layer in returned))
+        returned.append(read(self, name, parts))
+        return returned[-1]
+
+    monkeypatch.setattr(source, "linear", spy)
+    model = load_model(path, torch.float32, "cpu", 256, batch_hint=32)
+    assert len(returned) == 4 * model.config.num_hidden_layers  # qkv, o, gate_up, down
+    assert unpacked_at_each_read == [0] * len(returned)
+    assert all(layer.packed.dtype is torch.uint8 and layer.weight is None for layer in returned)
 
 
 @pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC"])

@@ -37,10 +37,11 @@ TOKENIZER_FILES = (
 
 
 class ArtifactWeights:
-    """A `WeightSource` over a qpipe artifact."""
+    """A `WeightSource` over a qpipe artifact, reading each tensor when it is asked for (so a
+    layer packed as it is read is never held twice)."""
 
     def __init__(self, path: Path, dtype: torch.dtype, device: torch.device) -> None:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
         meta = json.loads((path / ARTIFACT_MARKER).read_text())
         if meta.get("format_version") != FORMAT_VERSION:
@@ -51,18 +52,21 @@ class ArtifactWeights:
         self.linears: dict[str, str] = meta["linears"]
         self.dtype = dtype
         self.device = device
-        self.tensors = load_file(path / "model.safetensors")
+        self.file = safe_open(path / "model.safetensors", "pt")
+        self.names: list[str] = list(self.file.keys())
 
     def has(self, name: str) -> bool:
         return name in self.linears
 
     def tensor(self, name: str) -> torch.Tensor:
-        return self.tensors[name].to(self.dtype)
+        return self.file.get_tensor(name).to(self.dtype)
 
     def linear(self, name: str, parts: list[str]) -> LinearBase:
         kind = self.linears[name]
         prefix = name + "."
-        state = {k[len(prefix) :]: t for k, t in self.tensors.items() if k.startswith(prefix)}
+        state = {
+            k[len(prefix) :]: self.file.get_tensor(k) for k in self.names if k.startswith(prefix)
+        }
         if kind == "dense":
             state = {k: t.to(self.dtype) for k, t in state.items()}
         return LINEAR_KINDS[kind].from_state(state).prepare_for(self.dtype, self.device)

@@ -14,6 +14,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -25,7 +26,11 @@ from qpipe.serve.layers.linear import (
     LinearBase,
     WeightOnlyLinear,
     has_bf16_dot_product,
+    pack_linear_weights,
 )
+
+if TYPE_CHECKING:
+    from qpipe.serve.models.llama import WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -227,8 +232,34 @@ def resolve_dtype(requested: str, device: str, checkpoint: dict) -> torch.dtype:
     return torch.float16 if stored == "float16" else torch.bfloat16
 
 
-def load_model(path: Path, dtype: torch.dtype, device: str, max_positions: int) -> torch.nn.Module:
-    """The served model from a checkpoint or a qpipe artifact directory, on `device`."""
+class PackingWeights:
+    """Wraps a CPU model's `WeightSource` and packs each linear layer as it is read
+    (`LinearBase.pack_for_cpu`), so that only one layer at a time is held in its loaded form:
+    a 16-bit checkpoint served in fp32 is read as fp32 and kept in bf16 tiles, an int4 one is
+    read one value per byte and kept two per byte. Packing after the whole model was read held
+    every layer in both forms at the peak."""
+
+    def __init__(self, inner: WeightSource, batch_hint: int) -> None:
+        self.inner = inner
+        self.batch_hint = batch_hint
+
+    def has(self, name: str) -> bool:
+        return self.inner.has(name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.inner.tensor(name)
+
+    def linear(self, name: str, parts: list[str]) -> LinearBase:
+        layer = self.inner.linear(name, parts)
+        layer.pack_for_cpu(self.batch_hint)
+        return layer
+
+
+def load_model(
+    path: Path, dtype: torch.dtype, device: str, max_positions: int, batch_hint: int
+) -> torch.nn.Module:
+    """The served model from a checkpoint or a qpipe artifact directory, on `device`; on CPU
+    its linear layers packed for `batch_hint` rows (`pack_linear_weights`) as they are read."""
     from transformers import AutoConfig
 
     from qpipe.serve.artifact import ARTIFACT_MARKER, ArtifactWeights
@@ -236,11 +267,18 @@ def load_model(path: Path, dtype: torch.dtype, device: str, max_positions: int) 
 
     hf_config = AutoConfig.from_pretrained(path)
     target = torch.device(device)
+    weights: WeightSource
     if (path / ARTIFACT_MARKER).is_file():
         weights = ArtifactWeights(path, dtype, target)
     else:
         quantization = QuantizationConfig(read_config_json(path).get("quantization_config"))
         weights = CheckpointWeights(path, quantization, dtype, target)
+    if target.type == "cpu":
+        weights = PackingWeights(weights, batch_hint)
     with torch.device("cpu"):
         model = LlamaForCausalLM(hf_config, weights, max_positions)
+    if target.type == "cpu":
+        pack_linear_weights(model, batch_hint)  # what no source handed over: a tied lm_head
+        packed = sum(m.packed is not None for m in model.modules() if isinstance(m, LinearBase))
+        log.info("%d linear layers packed for this CPU", packed)
     return model.to(device).eval()

@@ -16,7 +16,6 @@ from qpipe.serve.decode_graphs import DecodeGraphs
 from qpipe.serve.host_memory import keep_freed_memory
 from qpipe.serve.layers import cpu_kernels, triton_attention
 from qpipe.serve.layers.attention import AttentionMetadata, PrefillSpan
-from qpipe.serve.layers.linear import pack_linear_weights
 from qpipe.serve.layers.sampler import sample, token_logprobs
 from qpipe.serve.loader import load_model, read_config_json, resolve_dtype
 from qpipe.serve.models.llama import head_dim_of
@@ -66,10 +65,9 @@ class ModelRunner:
         if limit_name == "sliding_window" and config.max_model_len is None:
             log.info("max_model_len %d: the checkpoint's sliding attention window", max_len)
         torch.manual_seed(config.seed)
-        self.model = load_model(path, self.dtype, config.device, max_len)
-        if config.device == "cpu":
-            packed = pack_linear_weights(self.model, min(config.max_num_seqs, 256))
-            log.info("%d linear layers packed for this CPU", packed)
+        self.model = load_model(
+            path, self.dtype, config.device, max_len, batch_hint=min(config.max_num_seqs, 256)
+        )
         hf = self.model.config
         eos = raw.get("eos_token_id")
         self.eos_token_ids = frozenset(
