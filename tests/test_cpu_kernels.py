@@ -187,12 +187,17 @@ def test_engine_gives_the_same_tokens_with_and_without_kernels(
     assert with_kernels == without
 
 
-@pytest.fixture(params=["onednn", "int8-values", "fp32-onednn", "fp32"])
+@pytest.fixture(params=["vnni-tiles", "onednn", "int8-values", "fp32-onednn", "fp32"])
 def int8_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The CPU forms of a packed W8A8 weight: oneDNN's int8 GEMM (only where it is exact); on a
+    """The CPU forms of a packed W8A8 weight: the kernels' VNNI tiles (AVX512-VNNI CPUs without
+    AMX only); oneDNN's int8 GEMM (only where it is exact; forced here on any such CPU); on a
     CPU without VNNI (forced here on any CPU) the plain int8 values that the weight-only kernels
     multiply in fp32, or, without those kernels, the values in fp32 on oneDNN's GEMM (non-Intel
     CPUs) or torch's."""
+    if request.param == "vnni-tiles" and not linear.vnni_tiles_serve(576):
+        pytest.skip("no AVX512-VNNI without AMX here: W8A8 products go to oneDNN's int8 GEMM")
+    if request.param != "vnni-tiles":
+        monkeypatch.setattr(linear, "vnni_tiles_serve", lambda in_features: False)
     if request.param == "onednn" and not onednn_int8_is_exact():
         pytest.skip("oneDNN's int8 GEMM saturates on this CPU (no VNNI)")
     if request.param != "onednn":
@@ -227,7 +232,9 @@ def test_the_int8_exactness_probe_tells_what_a_full_range_product_shows() -> Non
 
 ONEDNN_PRODUCTS = """
 import torch
+from qpipe.serve.layers import linear
 from qpipe.serve.layers.linear import Int8Linear, pack_linear_weights
+linear.vnni_tiles_serve = lambda in_features: False  # oneDNN's route, as on AMX CPUs
 for dtype in (torch.float32, torch.bfloat16):
     layer = Int8Linear(torch.ones(1536, 576, dtype=torch.int8), torch.ones(1536), None)
     pack_linear_weights(torch.nn.Sequential(layer), batch_hint=32)
@@ -287,7 +294,7 @@ def test_int8_linear_kernels_equal_the_eager_w8a8_path(
     if packed:
         assert pack_w8a8(int8_backend, layer) == 1
         assert layer.weight is None
-        int8 = int8_backend in ("onednn", "int8-values")
+        int8 = int8_backend in ("vnni-tiles", "onednn", "int8-values")
         assert layer.packed.dtype == (torch.int8 if int8 else torch.float32)
         assert layer.packed.is_mkldnn == (int8_backend in ("onednn", "fp32-onednn"))
 
@@ -304,8 +311,8 @@ def test_int8_linear_kernels_equal_the_eager_w8a8_path(
     for rows in (5, 19, 40):
         got = layer(x[:rows])
         close(got, eager[:rows].to(dtype), dtype)
-        if packed and int8_backend == "int8-values":  # exact integer sums, the eager epilogue
-            assert torch.equal(got, eager[:rows].to(dtype))
+        if packed and int8_backend in ("vnni-tiles", "int8-values"):  # exact integer sums,
+            assert torch.equal(got, eager[:rows].to(dtype))  # then the eager epilogue
     monkeypatch.setattr(cpu_kernels, "load", lambda: False)
     close(layer(x), eager.to(dtype), dtype)
 
@@ -529,24 +536,27 @@ def test_bf16_weights_take_the_tiles_without_a_bf16_dot_product(
 def test_fp32_weights_of_bf16_values_take_bf16_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """An fp32 weight whose values are all bf16 (a 16-bit checkpoint served in fp32) goes into
     bf16 tiles, half the bytes, and gives the fp32 product of fp32 inputs; one value that is not
-    a bf16 keeps the weight in fp32 tiles."""
+    a bf16, in the first or in the last block of rows checked, keeps the weight in fp32 tiles."""
     monkeypatch.setattr(linear, "_mkl_runs_generic_code", lambda: True)
     gen = torch.Generator().manual_seed(11)
-    weight = torch.randn(130, 201, generator=gen).to(torch.bfloat16).float()
-    bias = torch.randn(130, generator=gen)
+    weight = torch.randn(300, 201, generator=gen).to(torch.bfloat16).float()
+    bias = torch.randn(300, generator=gen)
     layer = DenseLinear(weight, bias)
     assert pack_linear_weights(torch.nn.Sequential(layer), batch_hint=8) == 1
-    assert layer.packed.dtype is torch.bfloat16 and layer.packed.shape == (9, 201, cpu_kernels.TILE)
+    assert layer.packed.dtype is torch.bfloat16
+    assert layer.packed.shape == (19, 201, cpu_kernels.TILE)
     for rows in (1, 5, 16, 17, 100):
         x = torch.randn(rows, 201, generator=gen)
         y = layer(x)
         assert y.dtype is torch.float32
         exact = F.linear(x.double(), weight.double(), bias.double())
         torch.testing.assert_close(y.double(), exact, atol=1e-6 * exact.abs().max().item(), rtol=0)
-    weight[7, 3] += 2**-20 * weight[7, 3].abs()  # no longer a bf16 value
-    layer = DenseLinear(weight, bias)
-    pack_linear_weights(torch.nn.Sequential(layer), batch_hint=8)
-    assert layer.packed.dtype is torch.float32
+    for row, col in ((7, 3), (290, 200)):
+        changed = weight.clone()
+        changed[row, col] += 2**-20 * changed[row, col].abs()  # no longer a bf16 value
+        layer = DenseLinear(changed, bias)
+        pack_linear_weights(torch.nn.Sequential(layer), batch_hint=8)
+        assert layer.packed.dtype is torch.float32
 
 
 def test_dense_tile_kernel_equals_the_exact_product(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1194,7 +1194,111 @@ at::Tensor weight_only_product(const at::Tensor& x, const at::Tensor& weight,
 // then taken in fp32 over the int8 values, read at one byte per weight with unit scales; exact,
 // as the sums are integers below 2^24. Its input is the activations' int8 values as floats.
 bool values_in_tiles(const at::Tensor& packed_weight) {
-  return packed_weight.scalar_type() == at::kChar && !packed_weight.is_mkldnn();
+  return packed_weight.scalar_type() == at::kChar && !packed_weight.is_mkldnn() &&
+         packed_weight.size(2) == kTile;
+}
+
+// W8A8 weights for AVX512-VNNI's u8 x s8 dot products (`vpdpbusd`), laid out by
+// cpu_kernels.tiled_vnni: [tiles, in_features / 4 + 1, 4 * kTile] int8, each tile's four
+// consecutive input features of its kTile output features in one 64-byte vector (the order the
+// instruction sums them in), then one vector of the tile's compensations, 128 * sum(w) per
+// output feature as int32: the input goes in as q + 128 (uint8), and sum((q + 128) * w) -
+// 128 * sum(w) is the exact int32 sum(q * w).
+constexpr int64_t kVnniGroup = 4;
+bool vnni_tiles(const at::Tensor& packed_weight) {
+  return packed_weight.scalar_type() == at::kChar && !packed_weight.is_mkldnn() &&
+         packed_weight.dim() == 3 && packed_weight.size(2) == kVnniGroup * kTile;
+}
+
+#if defined(__AVX512VNNI__)
+constexpr bool kVnni = true;
+
+// int32 sums of ROWS uint8 input rows (row stride k) against TILES (1 or 2) adjacent VNNI tiles,
+// less the tiles' compensations, as floats into sums[t] (kTile per row). Each step broadcasts
+// four input bytes of a row and adds their products with one vector of each tile: 64
+// multiply-adds per instruction where the fp32 panels do 16.
+template <int ROWS, int TILES>
+void vnni_block(float* (&sums)[2], const uint8_t* x, int64_t k, const int8_t* const (&w)[2]) {
+  // GCC's own vector type: arrays of __m512i stay on the stack, spilled at every step
+  vint acc0[ROWS] = {}, acc1[ROWS] = {};
+  const int64_t steps = k / kVnniGroup;
+  for (int64_t i = 0; i < steps; ++i) {
+    const __m512i w0 = _mm512_loadu_si512(w[0] + i * kVnniGroup * kTile);
+    const __m512i w1 = TILES == 2 ? _mm512_loadu_si512(w[1] + i * kVnniGroup * kTile) : w0;
+#pragma GCC unroll 12
+    for (int r = 0; r < ROWS; ++r) {
+      int32_t four;
+      std::memcpy(&four, x + r * k + i * kVnniGroup, sizeof four);
+      const __m512i xv = _mm512_set1_epi32(four);
+      acc0[r] = reinterpret_cast<vint>(
+          _mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc0[r]), xv, w0));
+      if constexpr (TILES == 2) {
+        acc1[r] = reinterpret_cast<vint>(
+            _mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc1[r]), xv, w1));
+      }
+    }
+  }
+  const vint comp0 = reinterpret_cast<vint>(_mm512_loadu_si512(w[0] + steps * kVnniGroup * kTile));
+  const vint comp1 = reinterpret_cast<vint>(_mm512_loadu_si512(w[1] + steps * kVnniGroup * kTile));
+#pragma GCC unroll 12
+  for (int r = 0; r < ROWS; ++r) {
+    st(sums[0] + r * kTile, __builtin_convertvector(acc0[r] - comp0, vfloat));
+    if constexpr (TILES == 2) st(sums[1] + r * kTile, __builtin_convertvector(acc1[r] - comp1, vfloat));
+  }
+}
+#else
+constexpr bool kVnni = false;
+#endif
+
+// out = (q @ w.T) * weight_scale [* row_scales] [+ bias] for a W8A8 weight in VNNI tiles, q the
+// activations' int8 values + 128 in uint8: the same epilogue, in the same order, as the fp32
+// panels' (`tiles_int8_product`). The threads split pairs of tiles; each pair is read once per
+// block of kBlockRows rows, from L1 or L2 after the first.
+void vnni_int8_product(at::Tensor& out, const at::Tensor& q, const at::Tensor& packed_weight,
+                       const at::Tensor& weight_scale, const float* row_scales,
+                       const float* bias) {
+  TORCH_CHECK(kVnni, "a W8A8 weight in VNNI tiles needs the kernels built for AVX512-VNNI");
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous(),
+              "q must be contiguous uint8 (the int8 values + 128)");
+  const int64_t rows = q.size(0), k = q.size(1), n = out.size(1), tiles = packed_weight.size(0);
+  TORCH_CHECK(k % kVnniGroup == 0 && packed_weight.size(1) == k / kVnniGroup + 1,
+              "the VNNI tiles hold ", (packed_weight.size(1) - 1) * kVnniGroup,
+              " input features, q has ", k);
+  TORCH_CHECK(n > (tiles - 1) * kTile && n <= tiles * kTile, "out_features ", n,
+              " does not fit ", tiles, " tiles");
+#if defined(__AVX512VNNI__)
+  const int64_t tile_bytes = packed_weight.size(1) * kVnniGroup * kTile;
+  const int8_t* weights = packed_weight.data_ptr<int8_t>();
+  const uint8_t* xs = q.data_ptr<uint8_t>();
+  const Epilogue e{weight_scale.data_ptr<float>(), row_scales};
+  dispatch(out, "int8_linear", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* o = ptr<T>(out);
+    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      float buffers[2][kBlockRows * kTile];
+      float* sums[2] = {buffers[0], buffers[1]};
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t t0 = 2 * pair, count_tiles = std::min<int64_t>(2, tiles - t0);
+        const int8_t* const w[2] = {weights + t0 * tile_bytes,
+                                    weights + (t0 + count_tiles - 1) * tile_bytes};
+        for (int64_t r = 0; r < rows; r += kBlockRows) {
+          const int64_t count = std::min<int64_t>(kBlockRows, rows - r);
+          with_block_rows<kBlockRows>(count, [&](auto c) {
+            if (count_tiles == 2) {
+              vnni_block<decltype(c)::value, 2>(sums, xs + r * k, k, w);
+            } else {
+              vnni_block<decltype(c)::value, 1>(sums, xs + r * k, k, w);
+            }
+          });
+          for (int64_t t = 0; t < count_tiles; ++t) {
+            const int64_t first = (t0 + t) * kTile;
+            store_tile_rows(o, n, bias, first, std::min(kTile, n - first), sums[t], r, count, e);
+          }
+        }
+      }
+    });
+  });
+#endif
 }
 
 // out = (q @ w.T) * weight_scale [* row_scales] [+ bias] for a weight whose int8 values are in
@@ -1212,8 +1316,8 @@ void tiles_int8_product(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   });
 }
 
-// x quantized per token: its int8 values (as floats for a weight in tiles, + 128 in uint8 for
-// oneDNN's GEMM) and their scales.
+// x quantized per token: its int8 values (as floats for a weight in the fp32 panels' tiles, + 128
+// in uint8 for oneDNN's GEMM and the VNNI tiles) and their scales.
 std::pair<at::Tensor, at::Tensor> quantized(const at::Tensor& x, bool as_floats) {
   const int64_t rows = x.size(0);
   const at::ScalarType type = as_floats ? at::kFloat : at::kByte;
@@ -1230,7 +1334,8 @@ std::pair<at::Tensor, at::Tensor> quantized(const at::Tensor& x, bool as_floats)
 // (q @ w.T) * weight_scale in fp32: oneDNN's int8 GEMM on a packed int8 weight, q in uint8 with
 // zero point 128 (oneDNN's VNNI kernels multiply u8 by s8; an s8 input left AMX-less CPUs on its
 // reference GEMM, measured on a Zen 4 at 0.1 GOP/s against 300 for u8 at 32 rows); the tiles'
-// product with the weight scales in its epilogue (`values_in_tiles`); or, where the layer was
+// product with the weight scales in its epilogue (`values_in_tiles`, or `vnni_tiles` with q in
+// uint8 as for oneDNN); or, where the layer was
 // packed without the kernels, products over an fp32 copy of the values, oneDNN's GEMM on a packed
 // one or torch's on a plain one.
 at::Tensor int8_product(const at::Tensor& q, const at::Tensor& packed_weight,
@@ -1238,6 +1343,11 @@ at::Tensor int8_product(const at::Tensor& q, const at::Tensor& packed_weight,
   if (values_in_tiles(packed_weight)) {
     at::Tensor out = at::empty({q.size(0), weight_scale.numel()}, q.options());
     tiles_int8_product(out, q, packed_weight, weight_scale, nullptr, nullptr);
+    return out;
+  }
+  if (vnni_tiles(packed_weight)) {
+    at::Tensor out = at::empty({q.size(0), weight_scale.numel()}, q.options().dtype(at::kFloat));
+    vnni_int8_product(out, q, packed_weight, weight_scale, nullptr, nullptr);
     return out;
   }
   TORCH_CHECK(q.scalar_type() == at::kByte, "q must hold the int8 values + 128 in uint8");
@@ -1265,14 +1375,18 @@ at::Tensor int8_product(const at::Tensor& q, const at::Tensor& packed_weight,
 void scaled_int8_product(at::Tensor& out, const at::Tensor& q, const at::Tensor& packed_weight,
                          const at::Tensor& weight_scale, const at::Tensor& zero_points,
                          const at::Tensor& row_scales, const c10::optional<at::Tensor>& bias) {
-  if (!values_in_tiles(packed_weight)) {
+  if (!values_in_tiles(packed_weight) && !vnni_tiles(packed_weight)) {
     scale_rows(out, int8_product(q, packed_weight, weight_scale, zero_points), row_scales, bias);
     return;
   }
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || bias->scalar_type() == at::kFloat, "bias must be float32");
-  tiles_int8_product(out, q, packed_weight, weight_scale, row_scales.data_ptr<float>(),
-                     has_bias ? bias->data_ptr<float>() : nullptr);
+  const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
+  if (vnni_tiles(packed_weight)) {
+    vnni_int8_product(out, q, packed_weight, weight_scale, row_scales.data_ptr<float>(), b);
+  } else {
+    tiles_int8_product(out, q, packed_weight, weight_scale, row_scales.data_ptr<float>(), b);
+  }
 }
 
 // The whole W8A8 layer in one op: quantize per token, the int8 product with the per-channel

@@ -141,6 +141,29 @@ def tiled_int4(weight: torch.Tensor) -> torch.Tensor:
     return tiles[:, 0::2] | (tiles[:, 1::2] << 4)
 
 
+VNNI_GROUP = 4  # input features per int32 lane of a VNNI dot product (kVnniGroup in the C++)
+
+
+def tiled_vnni(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] int8 W8A8 values -> [ceil(out / TILE), in / 4 + 1, 4 * TILE] int8: per tile, the
+    four consecutive inputs of each of its TILE output features side by side (the operand order
+    of AVX512-VNNI's u8 x s8 dot product), then the tile's compensations 128 * sum(w) per feature
+    as int32 bytes, which the kernel subtracts because its input is q + 128."""
+    out_features, in_features = weight.shape
+    if in_features % VNNI_GROUP:
+        raise ValueError(f"VNNI tiles need in_features divisible by 4, got {in_features}")
+    tiles = tiled(weight).view(-1, in_features // VNNI_GROUP, VNNI_GROUP, TILE).transpose(2, 3)
+    compensation = tiled(128 * weight.sum(dim=1, dtype=torch.int32).reshape(-1, 1))
+    compensation = compensation.reshape(-1, 1, TILE).contiguous().view(torch.int8)
+    return torch.cat([tiles.reshape(tiles.shape[0], -1, VNNI_GROUP * TILE), compensation], dim=1)
+
+
+def untiled_vnni(t: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The inverse of `tiled_vnni`: the int8 values [out_features, in]."""
+    values = t[:, :-1].reshape(t.shape[0], -1, TILE, VNNI_GROUP).permute(0, 2, 1, 3)
+    return values.reshape(t.shape[0] * TILE, -1)[:out_features]
+
+
 def decode_attention_fits(head_dim: int, block_size: int) -> bool:
     """The decode kernel works in vectors of 16 floats (8 on AVX2) along heads and blocks."""
     return head_dim % 16 == 0 and head_dim <= 256 and block_size % 16 == 0

@@ -152,8 +152,9 @@ def _has_avx512() -> bool:
 
 
 def _bf16_exact(weight: torch.Tensor) -> bool:
-    """Whether every fp32 value is a bf16 value: its low 16 bits are zero."""
-    return not (weight.view(torch.int32) & 0xFFFF).any()
+    """Whether every fp32 value is a bf16 value: its low 16 bits are zero. Checked 256 rows at a
+    time: a mask of the whole weight would be one more copy of it at the loading peak."""
+    return not any((rows.view(torch.int32) & 0xFFFF).any() for rows in weight.split(256))
 
 
 def has_bf16_dot_product() -> bool:
@@ -218,9 +219,24 @@ def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, scale
 
 
+def vnni_tiles_serve(in_features: int) -> bool:
+    """Whether W8A8 products go to the kernels' AVX512-VNNI tiles (`cpu_kernels.tiled_vnni`)
+    rather than oneDNN's int8 GEMM: on AVX512-VNNI CPUs without AMX. Measured on a Zen 4,
+    SmolLM2's 120 W8A8 products per step from DRAM, ms, oneDNN (u8) / VNNI tiles: TODO.
+    AMX CPUs keep oneDNN (its AMX kernels not measured against these)."""
+    flags = (cpu_kernels.cpuinfo("flags") or "").split()
+    return (
+        "avx512_vnni" in flags
+        and "amx_int8" not in flags
+        and in_features % cpu_kernels.VNNI_GROUP == 0
+        and cpu_kernels.load()
+    )
+
+
 class Int8Linear(LinearBase):
     """W8A8 int8: per-output-channel weight scales, activations quantized per token at run time.
-    On CPU the product runs on oneDNN's int8 GEMM with the weight packed once (AMX/VNNI; measured
+    On CPU with AVX512-VNNI and no AMX the product runs in the kernels' VNNI tiles
+    (`vnni_tiles_serve`); with AMX on oneDNN's int8 GEMM with the weight packed once (measured
     2-4x `torch._int_mm` at 2048 rows, up to 1.7x at 32); on a CPU without VNNI, where that GEMM
     saturates and `_int_mm` is ~10x slower than fp32, in fp32 over the int8 values (products and
     sums of integers are exact in fp32 below 2^24, far above what per-token quantized activations
@@ -240,7 +256,9 @@ class Int8Linear(LinearBase):
         self.register_buffer("bias", bias)
 
     def pack_for_cpu(self, batch_hint: int) -> bool:
-        if onednn_int8_is_exact():
+        if vnni_tiles_serve(self.weight.shape[1]):
+            self.packed = cpu_kernels.tiled_vnni(self.weight)
+        elif onednn_int8_is_exact():
             self.packed = torch.ops.onednn.qlinear_prepack(
                 self.weight, [batch_hint, self.weight.shape[1]]
             )
@@ -283,8 +301,10 @@ class Int8Linear(LinearBase):
             return _dense_product(q.float(), packed, None).mul_(self.weight_scale)
         if packed is None:
             weight = self.weight
-        else:  # the int8 values in the weight-only kernels' tiles
+        elif packed.shape[2] == cpu_kernels.TILE:  # the int8 values in the weight-only tiles
             weight = cpu_kernels.untiled(packed, self.weight_scale.numel())
+        else:
+            weight = cpu_kernels.untiled_vnni(packed, self.weight_scale.numel())
         rows = q.shape[0]
         if q.is_cuda and rows <= 16:  # cuBLAS int8 GEMM needs M > 16
             q = F.pad(q, (0, 0, 0, 17 - rows))
