@@ -36,14 +36,17 @@ def anonymous_mib() -> float:
     raise RuntimeError("/proc/self/status has no RssAnon line (Linux only)")
 
 
-def held_mib(model: torch.nn.Module) -> float:
-    """Bytes of the distinct tensors the model keeps (buffers and packed weights)."""
-    tensors = {}
+def held(model: torch.nn.Module) -> tuple[float, int]:
+    """MiB of the distinct tensors the model keeps (buffers and packed weights), and how many
+    oneDNN-packed weights it holds besides, whose opaque tensors tell no size."""
+    tensors, opaque = {}, 0
     for module in model.modules():
         for value in [*vars(module).values(), *module.buffers(recurse=False)]:
-            if isinstance(value, torch.Tensor) and not value.is_mkldnn:
+            if isinstance(value, torch.Tensor) and value.is_mkldnn:
+                opaque += 1
+            elif isinstance(value, torch.Tensor):
                 tensors[value.data_ptr()] = value.nbytes
-    return sum(tensors.values()) / MIB
+    return sum(tensors.values()) / MIB, opaque
 
 
 def main() -> None:
@@ -72,10 +75,11 @@ def main() -> None:
     took = time.perf_counter() - start
     done.set()
     sampler.join()
+    mib, opaque = held(model)
     print(
         f"{args.model.name} in {args.dtype}: peak +{max(peak, anonymous_mib()) - base:.0f} MiB "
-        f"of anonymous memory while loading ({took:.1f} s), the model holds {held_mib(model):.0f}"
-        " MiB"
+        f"of anonymous memory while loading ({took:.1f} s); the model holds {mib:.0f} MiB"
+        + (f" and {opaque} oneDNN-packed weights" if opaque else "")
     )
 
 
