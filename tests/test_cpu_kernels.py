@@ -217,6 +217,22 @@ def pack_w8a8(int8_backend: str, *layers: Int8Linear) -> int:
         return pack_linear_weights(torch.nn.Sequential(*layers), batch_hint=32)
 
 
+def test_w8a8_takes_the_vnni_tiles_on_avx512_vnni_cpus_without_amx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kernels = cpu_kernels.load()  # built under the real flags before they are faked
+    for flags, in_features, tiles in [
+        ("fpu avx512f avx512_bf16 avx512_vnni", 576, True),  # Zen 4
+        ("fpu avx512f avx512_vnni", 576, True),  # Cascade Lake
+        ("fpu avx512f avx512_vnni", 578, False),  # inputs not in fours: oneDNN
+        ("fpu avx512f avx512_vnni amx_int8 amx_tile", 576, False),  # Sapphire Rapids: AMX
+        ("fpu avx2 fma avx_vnni", 576, False),  # 256-bit VNNI only
+        ("fpu avx2 fma", 576, False),  # Zen 3: no VNNI
+    ]:
+        monkeypatch.setattr(cpu_kernels, "cpuinfo", lambda key, f=flags: f)
+        assert linear.vnni_tiles_serve(in_features) is (tiles and kernels), flags
+
+
 def test_the_int8_exactness_probe_tells_what_a_full_range_product_shows() -> None:
     """The probe's one corner product must agree with oneDNN on full-range random operands: exact
     on a VNNI CPU, off where `vpmaddubsw` saturates (measured on an AVX2-only Zen 3)."""
@@ -297,6 +313,8 @@ def test_int8_linear_kernels_equal_the_eager_w8a8_path(
         int8 = int8_backend in ("vnni-tiles", "onednn", "int8-values")
         assert layer.packed.dtype == (torch.int8 if int8 else torch.float32)
         assert layer.packed.is_mkldnn == (int8_backend in ("onednn", "fp32-onednn"))
+        vnni_layout = layer.packed.dim() == 3 and layer.packed.shape[2] == 4 * cpu_kernels.TILE
+        assert vnni_layout == (int8_backend == "vnni-tiles")
 
     q = torch.empty(x.shape, dtype=torch.int8)
     scale = torch.empty(40)
