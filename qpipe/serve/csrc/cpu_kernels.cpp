@@ -1195,7 +1195,7 @@ at::Tensor weight_only_product(const at::Tensor& x, const at::Tensor& weight,
 // as the sums are integers below 2^24. Its input is the activations' int8 values as floats.
 bool values_in_tiles(const at::Tensor& packed_weight) {
   return packed_weight.scalar_type() == at::kChar && !packed_weight.is_mkldnn() &&
-         packed_weight.size(2) == kTile;
+         packed_weight.dim() == 3 && packed_weight.size(2) == kTile;
 }
 
 // W8A8 weights for AVX512-VNNI's u8 x s8 dot products (`vpdpbusd`), laid out by
@@ -1238,12 +1238,15 @@ void vnni_block(float* (&sums)[2], const uint8_t* x, int64_t k, const int8_t* co
       }
     }
   }
-  const vint comp0 = reinterpret_cast<vint>(_mm512_loadu_si512(w[0] + steps * kVnniGroup * kTile));
-  const vint comp1 = reinterpret_cast<vint>(_mm512_loadu_si512(w[1] + steps * kVnniGroup * kTile));
+  const int64_t end = steps * kVnniGroup * kTile;  // the compensations follow the values
+  const vint comp0 = reinterpret_cast<vint>(_mm512_loadu_si512(w[0] + end));
+  const vint comp1 = reinterpret_cast<vint>(_mm512_loadu_si512(w[1] + end));
 #pragma GCC unroll 12
   for (int r = 0; r < ROWS; ++r) {
     st(sums[0] + r * kTile, __builtin_convertvector(acc0[r] - comp0, vfloat));
-    if constexpr (TILES == 2) st(sums[1] + r * kTile, __builtin_convertvector(acc1[r] - comp1, vfloat));
+    if constexpr (TILES == 2) {
+      st(sums[1] + r * kTile, __builtin_convertvector(acc1[r] - comp1, vfloat));
+    }
   }
 }
 #else
@@ -1335,9 +1338,8 @@ std::pair<at::Tensor, at::Tensor> quantized(const at::Tensor& x, bool as_floats)
 // zero point 128 (oneDNN's VNNI kernels multiply u8 by s8; an s8 input left AMX-less CPUs on its
 // reference GEMM, measured on a Zen 4 at 0.1 GOP/s against 300 for u8 at 32 rows); the tiles'
 // product with the weight scales in its epilogue (`values_in_tiles`, or `vnni_tiles` with q in
-// uint8 as for oneDNN); or, where the layer was
-// packed without the kernels, products over an fp32 copy of the values, oneDNN's GEMM on a packed
-// one or torch's on a plain one.
+// uint8 as for oneDNN); or, where the layer was packed without the kernels, products over an fp32
+// copy of the values, oneDNN's GEMM on a packed one or torch's on a plain one.
 at::Tensor int8_product(const at::Tensor& q, const at::Tensor& packed_weight,
                         const at::Tensor& weight_scale, const at::Tensor& zero_points) {
   if (values_in_tiles(packed_weight)) {
