@@ -1193,9 +1193,12 @@ at::Tensor weight_only_product(const at::Tensor& x, const at::Tensor& weight,
 // without VNNI, where oneDNN's int8 GEMM saturates (Int8Linear.pack_for_cpu). Its products are
 // then taken in fp32 over the int8 values, read at one byte per weight with unit scales; exact,
 // as the sums are integers below 2^24. Its input is the activations' int8 values as floats.
-bool values_in_tiles(const at::Tensor& packed_weight) {
+bool int8_tiles_of_width(const at::Tensor& packed_weight, int64_t width) {
   return packed_weight.scalar_type() == at::kChar && !packed_weight.is_mkldnn() &&
-         packed_weight.dim() == 3 && packed_weight.size(2) == kTile;
+         packed_weight.dim() == 3 && packed_weight.size(2) == width;
+}
+bool values_in_tiles(const at::Tensor& packed_weight) {
+  return int8_tiles_of_width(packed_weight, kTile);
 }
 
 // W8A8 weights for AVX512-VNNI's u8 x s8 dot products (`vpdpbusd`), laid out by
@@ -1206,8 +1209,7 @@ bool values_in_tiles(const at::Tensor& packed_weight) {
 // 128 * sum(w) is the exact int32 sum(q * w).
 constexpr int64_t kVnniGroup = 4;
 bool vnni_tiles(const at::Tensor& packed_weight) {
-  return packed_weight.scalar_type() == at::kChar && !packed_weight.is_mkldnn() &&
-         packed_weight.dim() == 3 && packed_weight.size(2) == kVnniGroup * kTile;
+  return int8_tiles_of_width(packed_weight, kVnniGroup * kTile);
 }
 
 #if defined(__AVX512VNNI__)

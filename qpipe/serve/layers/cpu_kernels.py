@@ -106,6 +106,7 @@ def serves(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 TILE = 16  # output features per tile in the weight-only kernels' layout (kTile in the C++)
+VNNI_GROUP = 4  # input features per int32 lane of a VNNI dot product (kVnniGroup in the C++)
 
 
 def tiled(t: torch.Tensor) -> torch.Tensor:
@@ -119,7 +120,10 @@ def tiled(t: torch.Tensor) -> torch.Tensor:
 
 
 def untiled(t: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The inverse of `tiled` and of `tiled_int4`: [out_features, cols]."""
+    """The inverse of `tiled`, of `tiled_int4` and of `tiled_vnni`: [out_features, cols]."""
+    if t.shape[2] == VNNI_GROUP * TILE:  # values, then the compensations (dropped)
+        values = t[:, :-1].reshape(t.shape[0], -1, TILE, VNNI_GROUP).permute(0, 2, 1, 3)
+        return values.reshape(t.shape[0] * TILE, -1)[:out_features]
     if t.dtype == torch.uint8:
         t = torch.stack([t & 15, t >> 4], dim=2).flatten(1, 2).to(torch.int8) - 8
     return t.transpose(1, 2).reshape(-1, t.shape[1])[:out_features]
@@ -141,9 +145,6 @@ def tiled_int4(weight: torch.Tensor) -> torch.Tensor:
     return tiles[:, 0::2] | (tiles[:, 1::2] << 4)
 
 
-VNNI_GROUP = 4  # input features per int32 lane of a VNNI dot product (kVnniGroup in the C++)
-
-
 def tiled_vnni(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] int8 W8A8 values -> [ceil(out / TILE), in / 4 + 1, 4 * TILE] int8: per tile, the
     four consecutive inputs of each of its TILE output features side by side (the operand order
@@ -156,12 +157,6 @@ def tiled_vnni(weight: torch.Tensor) -> torch.Tensor:
     compensation = tiled(128 * weight.sum(dim=1, dtype=torch.int32).reshape(-1, 1))
     compensation = compensation.reshape(-1, 1, TILE).contiguous().view(torch.int8)
     return torch.cat([tiles.reshape(tiles.shape[0], -1, VNNI_GROUP * TILE), compensation], dim=1)
-
-
-def untiled_vnni(t: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The inverse of `tiled_vnni`: the int8 values [out_features, in]."""
-    values = t[:, :-1].reshape(t.shape[0], -1, TILE, VNNI_GROUP).permute(0, 2, 1, 3)
-    return values.reshape(t.shape[0] * TILE, -1)[:out_features]
 
 
 def decode_attention_fits(head_dim: int, block_size: int) -> bool:

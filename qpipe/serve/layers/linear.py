@@ -303,10 +303,8 @@ class Int8Linear(LinearBase):
             return _dense_product(q.float(), packed, None).mul_(self.weight_scale)
         if packed is None:
             weight = self.weight
-        elif packed.shape[2] == cpu_kernels.TILE:  # the int8 values in the weight-only tiles
+        else:  # the int8 values in the weight-only kernels' tiles or in VNNI tiles
             weight = cpu_kernels.untiled(packed, self.weight_scale.numel())
-        else:
-            weight = cpu_kernels.untiled_vnni(packed, self.weight_scale.numel())
         rows = q.shape[0]
         if q.is_cuda and rows <= 16:  # cuBLAS int8 GEMM needs M > 16
             q = F.pad(q, (0, 0, 0, 17 - rows))
