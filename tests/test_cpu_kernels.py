@@ -469,8 +469,10 @@ def test_write_kv_fills_the_same_slots_as_the_eager_scatter(dtype: torch.dtype) 
 def test_onednn_packed_bf16_linear_gives_the_same_bits(
     rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a CPU with a bf16 dot product, bf16 weights go to oneDNN where it takes them."""
+    """On a CPU with a bf16 dot product, bf16 weights go to oneDNN where it takes them (AMX CPUs;
+    AVX512-BF16 ones without AMX take the pair tiles, forced off here)."""
     monkeypatch.setattr(linear, "has_bf16_dot_product", lambda: True)
+    monkeypatch.setattr(linear, "bf16_pair_tiles_serve", lambda in_features: False)
     gen = torch.Generator().manual_seed(6)
     weight = torch.randn(960, 576, generator=gen).to(torch.bfloat16)
     bias = torch.randn(960, generator=gen).to(torch.bfloat16)
@@ -529,6 +531,7 @@ def test_bf16_weights_take_the_tiles_without_a_bf16_dot_product(
     tails, 32 and 100 rows, a tile of padding, an in_features of no whole vector; with and
     without bias."""
     monkeypatch.setattr(linear, "has_bf16_dot_product", lambda: dot_product)
+    monkeypatch.setattr(linear, "bf16_pair_tiles_serve", lambda in_features: False)
     if not kernels:
         monkeypatch.setattr(cpu_kernels, "load", lambda: False)
     gen = torch.Generator().manual_seed(10)
@@ -549,6 +552,48 @@ def test_bf16_weights_take_the_tiles_without_a_bf16_dot_product(
             exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
             bound = exact.abs() * 2**-8 + 1e-6 * exact.abs().max()
             assert ((y.double() - exact).abs() <= bound).all(), rows
+
+
+def test_bf16_weights_take_the_pair_tiles_on_avx512_bf16_cpus_without_amx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kernels = cpu_kernels.load()  # built under the real flags before they are faked
+    for flags, in_features, tiles in [
+        ("fpu avx512f avx512_bf16 avx512_vnni", 576, True),  # Zen 4, Cooper Lake
+        ("fpu avx512f avx512_bf16", 201, False),  # inputs not in pairs: oneDNN
+        ("fpu avx512f avx512_bf16 amx_bf16 amx_tile", 576, False),  # Sapphire Rapids: AMX
+        ("fpu avx512f avx512_vnni", 576, False),  # Cascade Lake: no bf16 dot product
+        ("fpu avx2 fma", 576, False),  # Zen 3
+    ]:
+        monkeypatch.setattr(cpu_kernels, "cpuinfo", lambda key, f=flags: f)
+        assert linear.bf16_pair_tiles_serve(in_features) is (tiles and kernels), flags
+
+
+def test_bf16_pair_tiles_give_the_product_rounded_once() -> None:
+    """bf16 weights in the AVX512-BF16 pair tiles: every output is the exact product rounded once
+    to bf16 (within half a bf16 ulp, plus the fp32 sums' error), at every row count up to a
+    block of rows and its tails, 32 and 100 rows, an odd number of tiles and a padded one, with
+    and without bias; the layout inverts; fp32 inputs are refused, not misread."""
+    if not linear.bf16_pair_tiles_serve(202):
+        pytest.skip("no AVX512-BF16 without AMX here: bf16 products go to oneDNN or the tiles")
+    gen = torch.Generator().manual_seed(12)
+    weight = torch.randn(130, 202, generator=gen).to(torch.bfloat16)
+    for bias in (None, torch.randn(130, generator=gen).to(torch.bfloat16)):
+        layer = DenseLinear(weight, bias)
+        assert pack_linear_weights(torch.nn.Sequential(layer), batch_hint=8) == 1
+        assert layer.weight is None and layer.packed.shape == (9, 101, 2 * cpu_kernels.TILE)
+        assert torch.equal(cpu_kernels.untiled(layer.packed, 130), weight)
+        for rows in (*range(1, 18), 32, 100):
+            x = torch.randn(rows, 202, generator=gen).to(torch.bfloat16)
+            y = layer(x)
+            assert y.dtype is torch.bfloat16
+            exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+            bound = exact.abs() * 2**-8 + 1e-6 * exact.abs().max()
+            assert ((y.double() - exact).abs() <= bound).all(), rows
+    with pytest.raises(RuntimeError, match="takes bf16 x"):
+        cpu_kernels.ops.dense_linear(torch.zeros(1, 202), layer.packed, None, 130)
+    with pytest.raises(ValueError, match="even in_features"):
+        cpu_kernels.tiled_bf16_pairs(weight[:, :201])
 
 
 def test_fp32_weights_of_bf16_values_take_bf16_tiles(monkeypatch: pytest.MonkeyPatch) -> None:

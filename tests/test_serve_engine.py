@@ -431,8 +431,9 @@ def test_bf16_serving_keeps_a_bf16_cache_and_tracks_transformers_bf16(
 ) -> None:
     """bf16 (the CPU default where AMX exists) on the real model, against transformers' fp64
     load, with its bf16 load as the yardstick. Without a bf16 dot product (AVX512-BF16, AMX) the
-    weights sit in bf16 tiles and are summed in fp32 (`dense_linear`), elsewhere on oneDNN.
-    Measured on a Zen 3, 72 tokens: top-1 agreement 0.986, transformers' bf16 0.986."""
+    weights sit in bf16 tiles and are summed in fp32 (`dense_linear`); with AVX512-BF16 and no
+    AMX they sit in the pair tiles of its dot product; elsewhere on oneDNN. Measured on a Zen 3,
+    72 tokens: top-1 agreement 0.986, transformers' bf16 0.986."""
     bf16 = LLMEngine(
         EngineConfig(model=str(smollm2_checkpoint), dtype="bfloat16", kv_cache_memory_gib=0.05)
     )
@@ -440,6 +441,8 @@ def test_bf16_serving_keeps_a_bf16_cache_and_tracks_transformers_bf16(
     packed = bf16.model_runner.model.layers[0].qkv_proj.packed
     if cpu_kernels.load() and not linear.has_bf16_dot_product():
         assert packed.dtype is torch.bfloat16 and packed.shape[1:] == (576, cpu_kernels.TILE)
+    if linear.bf16_pair_tiles_serve(576):
+        assert packed.dtype is torch.bfloat16 and packed.shape[1:] == (288, 2 * cpu_kernels.TILE)
     prompts = [bf16.tokenizer(p).input_ids for p in PROMPTS]
     outs = bf16.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     tokens = [torch.tensor(out) for out in outs]

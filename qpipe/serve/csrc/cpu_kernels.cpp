@@ -1105,6 +1105,108 @@ at::Tensor dense_bf16_linear(const at::Tensor& x, const at::Tensor& weight, bool
   return out;
 }
 
+// out = block sums of x against a weight in tiles of `tile_elems` values each, through the
+// epilogue plus the bias, for the kernels whose block takes two adjacent tiles at once (VNNI
+// tiles, bf16 pair tiles): `block(rows, tiles, sums, x, w)` with both counts as integral
+// constants. The threads split pairs of tiles; each pair is read once per block of kBlockRows
+// rows, from L1 or L2 after the first.
+template <typename T, typename B, typename X, typename W, typename Block>
+void tile_pairs_product(T* o, int64_t n, const B* bias, const X* xs, int64_t rows, int64_t k,
+                        const W* weights, int64_t tiles, int64_t tile_elems, const Epilogue& e,
+                        Block&& block) {
+  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    float buffers[2][kBlockRows * kTile];
+    float* sums[2] = {buffers[0], buffers[1]};
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t t0 = 2 * pair, count_tiles = std::min<int64_t>(2, tiles - t0);
+      const W* const w[2] = {weights + t0 * tile_elems,
+                             weights + (t0 + count_tiles - 1) * tile_elems};
+      for (int64_t r = 0; r < rows; r += kBlockRows) {
+        const int64_t count = std::min<int64_t>(kBlockRows, rows - r);
+        with_block_rows<kBlockRows>(count, [&](auto c) {
+          if (count_tiles == 2) {
+            block(c, std::integral_constant<int, 2>{}, sums, xs + r * k, w);
+          } else {
+            block(c, std::integral_constant<int, 1>{}, sums, xs + r * k, w);
+          }
+        });
+        for (int64_t t = 0; t < count_tiles; ++t) {
+          const int64_t first = (t0 + t) * kTile;
+          store_tile_rows(o, n, bias, first, std::min(kTile, n - first), sums[t], r, count, e);
+        }
+      }
+    }
+  });
+}
+
+// bf16 weights for AVX512-BF16's dot product (`vdpbf16ps`), laid out by
+// cpu_kernels.tiled_bf16_pairs: [tiles, in_features / 2, 2 * kTile] bf16, each tile's two
+// consecutive input features of its kTile output features side by side in one 64-byte vector,
+// the order the instruction sums them in: 32 multiply-adds per instruction, where widening the
+// weight to fp32 does 16. oneDNN's bf16 GEMM uses the same instruction here; these tiles read
+// the weight faster at decode sizes (`linear.bf16_pair_tiles_serve`).
+constexpr int64_t kPairGroup = 2;
+bool bf16_pair_tiles(const at::Tensor& weight) {
+  return weight.scalar_type() == at::kBFloat16 && !weight.is_mkldnn() && weight.dim() == 3 &&
+         weight.size(2) == kPairGroup * kTile;
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Pairs = true;
+
+// fp32 sums of ROWS bf16 input rows (row stride k) against TILES (1 or 2) adjacent tiles into
+// sums[t] (kTile per row): each step broadcasts two inputs of a row and adds their products with
+// one vector of each tile.
+template <int ROWS, int TILES>
+void bf16_pair_block(float* (&sums)[2], const bf16* x, int64_t k, const bf16* const (&w)[2]) {
+  vfloat acc0[ROWS] = {}, acc1[ROWS] = {};
+  const int64_t steps = k / kPairGroup;
+  for (int64_t i = 0; i < steps; ++i) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w[0] + i * kPairGroup * kTile);
+    const __m512bh w1 =
+        TILES == 2 ? (__m512bh)_mm512_loadu_si512(w[1] + i * kPairGroup * kTile) : w0;
+#pragma GCC unroll 12
+    for (int r = 0; r < ROWS; ++r) {
+      int32_t two;
+      std::memcpy(&two, x + r * k + i * kPairGroup, sizeof two);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(two);
+      acc0[r] = (vfloat)_mm512_dpbf16_ps((__m512)acc0[r], xv, w0);
+      if constexpr (TILES == 2) acc1[r] = (vfloat)_mm512_dpbf16_ps((__m512)acc1[r], xv, w1);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < ROWS; ++r) {
+    st(sums[0] + r * kTile, acc0[r]);
+    if constexpr (TILES == 2) st(sums[1] + r * kTile, acc1[r]);
+  }
+}
+#else
+constexpr bool kBf16Pairs = false;
+#endif
+
+// x @ weight.T + bias for bf16 x and a bf16 weight in pair tiles (`bf16_pair_tiles`): fp32 sums,
+// then the bias and one rounding to bf16.
+at::Tensor bf16_pair_linear(const at::Tensor& x, const at::Tensor& weight, bool has_bias,
+                            const c10::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(kBf16Pairs, "a weight in bf16 pair tiles needs the kernels built for AVX512-BF16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "a weight in bf16 pair tiles takes bf16 x");
+  const int64_t rows = x.size(0), k = x.size(1), tiles = weight.size(0);
+  TORCH_CHECK(weight.is_contiguous() && weight.size(1) * kPairGroup == k, "the tiles hold ",
+              weight.size(1) * kPairGroup, " input features, x has ", k);
+  TORCH_CHECK(n > (tiles - 1) * kTile && n <= tiles * kTile, "out_features ", n,
+              " does not fit ", tiles, " tiles");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({rows, n}, x.options());
+#if defined(__AVX512BF16__)
+  tile_pairs_product(ptr<bf16>(out), n, has_bias ? ptr<bf16>(*bias) : nullptr, ptr<bf16>(xc), rows,
+                     k, ptr<bf16>(weight), tiles, k * kTile, Epilogue{},
+                     [&](auto c, auto t, auto& sums, auto x, auto& w) {
+                       bf16_pair_block<decltype(c)::value, decltype(t)::value>(sums, x, k, w);
+                     });
+#endif
+  return out;
+}
+
 // x @ weight.T + bias for an fp32 weight laid out in tiles ([tiles, in_features, kTile]), which
 // are the panels themselves. Measured on a Zen 3 against oneDNN's GEMM on its packed weight, the
 // weights from DRAM as in serving: 1.3-2x at 1-16 rows (1 row: 23 against 14 GB/s), 1-1.5x at
@@ -1115,6 +1217,9 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
   const bool bf16_input = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.scalar_type() == at::kFloat || bf16_input,
               "dense_linear takes float32 or bfloat16 inputs");
+  if (bf16_pair_tiles(weight)) {
+    return bf16_pair_linear(x, weight, has_bias_for(bias, x, out_features), bias, out_features);
+  }
   const bool bf16_tiles = bf16_input || weight.scalar_type() == at::kBFloat16;
   check_tiles(weight, bf16_tiles ? at::kBFloat16 : at::kFloat,
               bf16_tiles ? "bfloat16" : "float32", out_features);
@@ -1257,8 +1362,7 @@ constexpr bool kVnni = false;
 
 // out = (q @ w.T) * weight_scale [* row_scales] [+ bias] for a W8A8 weight in VNNI tiles, q the
 // activations' int8 values + 128 in uint8: the same epilogue, in the same order, as the fp32
-// panels' (`tiles_int8_product`). The threads split pairs of tiles; each pair is read once per
-// block of kBlockRows rows, from L1 or L2 after the first.
+// panels' (`tiles_int8_product`).
 void vnni_int8_product(at::Tensor& out, const at::Tensor& q, const at::Tensor& packed_weight,
                        const at::Tensor& weight_scale, const float* row_scales,
                        const float* bias) {
@@ -1273,35 +1377,14 @@ void vnni_int8_product(at::Tensor& out, const at::Tensor& q, const at::Tensor& p
               " does not fit ", tiles, " tiles");
 #if defined(__AVX512VNNI__)
   const int64_t tile_bytes = packed_weight.size(1) * kVnniGroup * kTile;
-  const int8_t* weights = packed_weight.data_ptr<int8_t>();
-  const uint8_t* xs = q.data_ptr<uint8_t>();
   const Epilogue e{weight_scale.data_ptr<float>(), row_scales};
   dispatch(out, "int8_linear", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    T* o = ptr<T>(out);
-    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-      float buffers[2][kBlockRows * kTile];
-      float* sums[2] = {buffers[0], buffers[1]};
-      for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t t0 = 2 * pair, count_tiles = std::min<int64_t>(2, tiles - t0);
-        const int8_t* const w[2] = {weights + t0 * tile_bytes,
-                                    weights + (t0 + count_tiles - 1) * tile_bytes};
-        for (int64_t r = 0; r < rows; r += kBlockRows) {
-          const int64_t count = std::min<int64_t>(kBlockRows, rows - r);
-          with_block_rows<kBlockRows>(count, [&](auto c) {
-            if (count_tiles == 2) {
-              vnni_block<decltype(c)::value, 2>(sums, xs + r * k, k, w);
-            } else {
-              vnni_block<decltype(c)::value, 1>(sums, xs + r * k, k, w);
-            }
-          });
-          for (int64_t t = 0; t < count_tiles; ++t) {
-            const int64_t first = (t0 + t) * kTile;
-            store_tile_rows(o, n, bias, first, std::min(kTile, n - first), sums[t], r, count, e);
-          }
-        }
-      }
-    });
+    tile_pairs_product(ptr<T>(out), n, bias, q.data_ptr<uint8_t>(), rows, k,
+                       packed_weight.data_ptr<int8_t>(), tiles, tile_bytes, e,
+                       [&](auto c, auto t, auto& sums, auto x, auto& w) {
+                         vnni_block<decltype(c)::value, decltype(t)::value>(sums, x, k, w);
+                       });
   });
 #endif
 }

@@ -107,6 +107,7 @@ def serves(device: torch.device, dtype: torch.dtype) -> bool:
 
 TILE = 16  # output features per tile in the weight-only kernels' layout (kTile in the C++)
 VNNI_GROUP = 4  # input features per int32 lane of a VNNI dot product (kVnniGroup in the C++)
+BF16_PAIR = 2  # input features per fp32 lane of AVX512-BF16's dot product (kPairGroup in the C++)
 
 
 def tiled(t: torch.Tensor) -> torch.Tensor:
@@ -120,10 +121,12 @@ def tiled(t: torch.Tensor) -> torch.Tensor:
 
 
 def untiled(t: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The inverse of `tiled`, of `tiled_int4` and of `tiled_vnni`: [out_features, cols]."""
-    if t.shape[2] == VNNI_GROUP * TILE:  # values, then the compensations (dropped)
-        values = t[:, :-1].reshape(t.shape[0], -1, TILE, VNNI_GROUP).permute(0, 2, 1, 3)
-        return values.reshape(t.shape[0] * TILE, -1)[:out_features]
+    """The inverse of `tiled`, of `tiled_int4`, of `tiled_vnni` and of `tiled_bf16_pairs`:
+    [out_features, cols]."""
+    for group, values in ((VNNI_GROUP, t[:, :-1]), (BF16_PAIR, t)):  # VNNI: less compensations
+        if t.shape[2] == group * TILE:
+            values = values.reshape(t.shape[0], -1, TILE, group).permute(0, 2, 1, 3)
+            return values.reshape(t.shape[0] * TILE, -1)[:out_features]
     if t.dtype == torch.uint8:
         t = torch.stack([t & 15, t >> 4], dim=2).flatten(1, 2).to(torch.int8) - 8
     return t.transpose(1, 2).reshape(-1, t.shape[1])[:out_features]
@@ -157,6 +160,17 @@ def tiled_vnni(weight: torch.Tensor) -> torch.Tensor:
     compensation = tiled(128 * weight.sum(dim=1, dtype=torch.int32).reshape(-1, 1))
     compensation = compensation.reshape(-1, 1, TILE).contiguous().view(torch.int8)
     return torch.cat([tiles.reshape(tiles.shape[0], -1, VNNI_GROUP * TILE), compensation], dim=1)
+
+
+def tiled_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [out_features, in_features] weight as [tiles, in_features / 2, 2 * TILE]: in each
+    tile, two consecutive inputs of each of its TILE output features side by side (the operand
+    order of AVX512-BF16's dot product, 32 multiply-adds per instruction into TILE fp32 sums)."""
+    out_features, in_features = weight.shape
+    if in_features % BF16_PAIR:
+        raise ValueError(f"bf16 pair tiles need an even in_features, got {in_features}")
+    tiles = tiled(weight).view(-1, in_features // BF16_PAIR, BF16_PAIR, TILE).transpose(2, 3)
+    return tiles.reshape(tiles.shape[0], -1, BF16_PAIR * TILE)
 
 
 def decode_attention_fits(head_dim: int, block_size: int) -> bool:

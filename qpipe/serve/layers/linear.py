@@ -93,6 +93,7 @@ def _packed_dense(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
       torch's bf16 GEMM is emulated: `dense_linear` widens the weight and sums in fp32.
       Measured on a Zen 3 (AVX2), SmolLM2 in bf16 at concurrency 8: 13.6 output tok/s on
       torch's GEMM, 56.5 on the tiles (fp32: 57.9); ~8 % behind fp32 at 32;
+    - bf16 in the kernels' pair tiles on AVX512-BF16 CPUs without AMX (`bf16_pair_tiles_serve`);
     - bf16 reordered for oneDNN's GEMM (measured on an AMX CPU: 1.3-1.6x per GEMM for 1-256
       rows, the same results bit for bit, no change at 2048 rows), where oneDNN takes bf16:
       AVX-512 or AVX-NE-CONVERT.
@@ -101,6 +102,8 @@ def _packed_dense(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
         return cpu_kernels.tiled(weight.to(torch.bfloat16) if _bf16_exact(weight) else weight)
     if weight.dtype is torch.bfloat16 and not has_bf16_dot_product() and cpu_kernels.load():
         return cpu_kernels.tiled(weight)
+    if weight.dtype is torch.bfloat16 and bf16_pair_tiles_serve(weight.shape[1]):
+        return cpu_kernels.tiled_bf16_pairs(weight)
     return _packed_for_onednn(weight, batch_hint)
 
 
@@ -162,6 +165,23 @@ def has_bf16_dot_product() -> bool:
     bf16 GEMM is native there, not emulated."""
     flags = (cpu_kernels.cpuinfo("flags") or "").split()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def bf16_pair_tiles_serve(in_features: int) -> bool:
+    """Whether bf16 products go to the kernels' AVX512-BF16 pair tiles (`cpu_kernels.
+    tiled_bf16_pairs`) rather than oneDNN's bf16 GEMM: on AVX512-BF16 CPUs without AMX. Both
+    multiply with the same instruction (on a Zen 4, 0-0.08 % of outputs differ by one bf16
+    rounding, where oneDNN splits the sum), and the tiles read the weight faster at decode sizes.
+    SmolLM2's 120 bf16 products per step (weights from DRAM), ms, oneDNN / pair tiles: 1 row 16 /
+    8-10, 8 rows 16-18 / 11, 32 rows 30-33 / 25, 64 rows 45-47 / 40-42, 512 rows 314-330 /
+    303-321. AMX CPUs keep oneDNN (not measured against these)."""
+    flags = (cpu_kernels.cpuinfo("flags") or "").split()
+    return (
+        "avx512_bf16" in flags
+        and "amx_bf16" not in flags
+        and in_features % cpu_kernels.BF16_PAIR == 0
+        and cpu_kernels.load()
+    )
 
 
 def _mkl_runs_generic_code() -> bool:
