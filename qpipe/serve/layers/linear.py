@@ -171,15 +171,22 @@ def bf16_pair_tiles_serve(in_features: int) -> bool:
     """Whether bf16 products go to the kernels' AVX512-BF16 pair tiles (`cpu_kernels.
     tiled_bf16_pairs`) rather than oneDNN's bf16 GEMM: on AVX512-BF16 CPUs without AMX. Both
     multiply with the same instruction (on a Zen 4, 0-0.08 % of outputs differ by one bf16
-    rounding, where oneDNN splits the sum), and the tiles read the weight faster at decode sizes.
-    SmolLM2's 120 bf16 products per step (weights from DRAM), ms, oneDNN / pair tiles: 1 row 16 /
-    8-10, 8 rows 16-18 / 11, 32 rows 30-33 / 25, 64 rows 45-47 / 40-42, 512 rows 314-330 /
-    303-321. AMX CPUs keep oneDNN (not measured against these)."""
+    rounding, where oneDNN splits the sum); the tiles read the weight faster at decode sizes.
+    SmolLM2's 120 bf16 products per step (weights from DRAM), ms, oneDNN / pair tiles, three
+    runs: 1 row 14-19 / 10, 8 rows 15-16 / 11-12, 32 rows 24-30 / 23-25, 64-512 rows level within
+    the drift (512: 266-330 / 293-303). Served in bf16 offline, c=1 35-38 -> 52-55 output tok/s,
+    c=32 288-312 -> 318-329. AMX CPUs keep oneDNN (not measured against these)."""
+    return _kernel_tiles_serve("avx512_bf16", "amx_bf16", cpu_kernels.BF16_PAIR, in_features)
+
+
+def _kernel_tiles_serve(dot_product: str, amx: str, group: int, in_features: int) -> bool:
+    """Whether the CPU has the `dot_product` flag but not `amx` (where oneDNN's AMX kernels are
+    kept), in_features comes in whole groups of the instruction's inputs, and the kernels load."""
     flags = (cpu_kernels.cpuinfo("flags") or "").split()
     return (
-        "avx512_bf16" in flags
-        and "amx_bf16" not in flags
-        and in_features % cpu_kernels.BF16_PAIR == 0
+        dot_product in flags
+        and amx not in flags
+        and in_features % group == 0
         and cpu_kernels.load()
     )
 
@@ -246,13 +253,7 @@ def vnni_tiles_serve(in_features: int) -> bool:
     VNNI tiles, two runs each: 1 row 16 / 8, 8 rows 18 / 8-11, 32 rows 29 / 15-17, 128 rows
     52-65 / 44, 512 rows 183-240 / 162-178. oneDNN read the weight at ~7 GB/s at one row.
     AMX CPUs keep oneDNN (its AMX kernels not measured against these)."""
-    flags = (cpu_kernels.cpuinfo("flags") or "").split()
-    return (
-        "avx512_vnni" in flags
-        and "amx_int8" not in flags
-        and in_features % cpu_kernels.VNNI_GROUP == 0
-        and cpu_kernels.load()
-    )
+    return _kernel_tiles_serve("avx512_vnni", "amx_int8", cpu_kernels.VNNI_GROUP, in_features)
 
 
 class Int8Linear(LinearBase):
