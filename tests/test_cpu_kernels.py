@@ -520,6 +520,21 @@ def test_fp32_weights_leave_mkl_where_the_tiles_beat_it(
     torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
 
 
+def assert_rounded_once_to_bf16(
+    layer: DenseLinear, weight: torch.Tensor, bias: torch.Tensor | None, gen: torch.Generator
+) -> None:
+    """Every output of the bf16 layer is the exact product rounded once to bf16 (within half a
+    bf16 ulp, plus the fp32 sums' error), at every row count up to a block of rows and its
+    tails, 32 and 100 rows."""
+    for rows in (*range(1, 18), 32, 100):
+        x = torch.randn(rows, weight.shape[1], generator=gen).to(torch.bfloat16)
+        y = layer(x)
+        assert y.dtype is torch.bfloat16
+        exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+        bound = exact.abs() * 2**-8 + 1e-6 * exact.abs().max()
+        assert ((y.double() - exact).abs() <= bound).all(), rows
+
+
 @pytest.mark.parametrize(("dot_product", "kernels"), [(False, True), (True, True), (False, False)])
 def test_bf16_weights_take_the_tiles_without_a_bf16_dot_product(
     dot_product: bool, kernels: bool, monkeypatch: pytest.MonkeyPatch
@@ -545,13 +560,7 @@ def test_bf16_weights_take_the_tiles_without_a_bf16_dot_product(
             continue
         assert layer.weight is None and layer.packed.dtype is torch.bfloat16
         assert layer.packed.shape == (9, 201, cpu_kernels.TILE)
-        for rows in (*range(1, 18), 32, 100):
-            x = torch.randn(rows, 201, generator=gen).to(torch.bfloat16)
-            y = layer(x)
-            assert y.dtype is torch.bfloat16
-            exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-            bound = exact.abs() * 2**-8 + 1e-6 * exact.abs().max()
-            assert ((y.double() - exact).abs() <= bound).all(), rows
+        assert_rounded_once_to_bf16(layer, weight, bias, gen)
 
 
 def test_bf16_weights_take_the_pair_tiles_on_avx512_bf16_cpus_without_amx(
@@ -583,13 +592,7 @@ def test_bf16_pair_tiles_give_the_product_rounded_once() -> None:
         assert pack_linear_weights(torch.nn.Sequential(layer), batch_hint=8) == 1
         assert layer.weight is None and layer.packed.shape == (9, 101, 2 * cpu_kernels.TILE)
         assert torch.equal(cpu_kernels.untiled(layer.packed, 130), weight)
-        for rows in (*range(1, 18), 32, 100):
-            x = torch.randn(rows, 202, generator=gen).to(torch.bfloat16)
-            y = layer(x)
-            assert y.dtype is torch.bfloat16
-            exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-            bound = exact.abs() * 2**-8 + 1e-6 * exact.abs().max()
-            assert ((y.double() - exact).abs() <= bound).all(), rows
+        assert_rounded_once_to_bf16(layer, weight, bias, gen)
     with pytest.raises(RuntimeError, match="takes bf16 x"):
         cpu_kernels.ops.dense_linear(torch.zeros(1, 202), layer.packed, None, 130)
     with pytest.raises(ValueError, match="even in_features"):
