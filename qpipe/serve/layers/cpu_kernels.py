@@ -114,10 +114,13 @@ def tiled(t: torch.Tensor) -> torch.Tensor:
     """[out, cols] -> [ceil(out / TILE), cols, TILE], zero-padded: the layout in which the
     weight-only kernels read a weight and its scales and zero points, column-major inside a tile
     so that one vector load holds one value of each of TILE output features."""
+    return _padded_to_tiles(t).view(-1, TILE, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def _padded_to_tiles(t: torch.Tensor) -> torch.Tensor:
+    """[out, cols] with zero rows added up to a whole number of tiles (a copy only then)."""
     pad = -t.shape[0] % TILE
-    if pad:
-        t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
-    return t.view(-1, TILE, t.shape[1]).transpose(1, 2).contiguous()
+    return torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
 
 
 def untiled(t: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -169,8 +172,8 @@ def tiled_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
     out_features, in_features = weight.shape
     if in_features % BF16_PAIR:
         raise ValueError(f"bf16 pair tiles need an even in_features, got {in_features}")
-    tiles = tiled(weight).view(-1, in_features // BF16_PAIR, BF16_PAIR, TILE).transpose(2, 3)
-    return tiles.reshape(tiles.shape[0], -1, BF16_PAIR * TILE)
+    pairs = _padded_to_tiles(weight).view(-1, TILE, in_features // BF16_PAIR, BF16_PAIR)
+    return pairs.permute(0, 2, 1, 3).reshape(pairs.shape[0], -1, BF16_PAIR * TILE)  # one copy
 
 
 def decode_attention_fits(head_dim: int, block_size: int) -> bool:
