@@ -818,15 +818,25 @@ void panel_rows(T* o, int64_t n, const B* b, int64_t first, int64_t cols, const 
   }
 }
 
+// out_features fill `tiles` tiles, the last one possibly padded.
+void check_fits_tiles(int64_t out_features, int64_t tiles) {
+  TORCH_CHECK(out_features > 0 && out_features > (tiles - 1) * kTile &&
+                  out_features <= tiles * kTile,
+              "out_features ", out_features, " does not fit ", tiles, " tiles");
+}
+
+// Whether a packed weight is the kernels' tiles of `dtype`, `width` values to a row.
+bool tiles_of(const at::Tensor& weight, at::ScalarType dtype, int64_t width) {
+  return weight.scalar_type() == dtype && !weight.is_mkldnn() && weight.dim() == 3 &&
+         weight.size(2) == width;
+}
+
 // A weight in tiles of `dtype` (named `dtype_name` in the message) holding out_features rows.
 void check_tiles(const at::Tensor& weight, at::ScalarType dtype, const char* dtype_name,
                  int64_t out_features) {
-  TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kTile && weight.scalar_type() == dtype &&
-                  weight.is_contiguous(),
+  TORCH_CHECK(tiles_of(weight, dtype, kTile) && weight.is_contiguous(),
               "weight must be contiguous ", dtype_name, " tiles [tiles, in_features, ", kTile, "]");
-  TORCH_CHECK(out_features > 0 && out_features <= weight.size(0) * kTile &&
-                  out_features > (weight.size(0) - 1) * kTile,
-              "out_features ", out_features, " does not fit ", weight.size(0), " tiles");
+  check_fits_tiles(out_features, weight.size(0));
 }
 
 // Whether a linear layer has a bias, which must be contiguous [out_features] in x's dtype.
@@ -1147,8 +1157,7 @@ void tile_pairs_product(T* o, int64_t n, const B* bias, const X* xs, int64_t row
 // the weight faster at decode sizes (`linear.bf16_pair_tiles_serve`).
 constexpr int64_t kPairGroup = 2;
 bool bf16_pair_tiles(const at::Tensor& weight) {
-  return weight.scalar_type() == at::kBFloat16 && !weight.is_mkldnn() && weight.dim() == 3 &&
-         weight.size(2) == kPairGroup * kTile;
+  return tiles_of(weight, at::kBFloat16, kPairGroup * kTile);
 }
 
 #if defined(__AVX512BF16__)
@@ -1193,8 +1202,7 @@ at::Tensor bf16_pair_linear(const at::Tensor& x, const at::Tensor& weight, bool 
   const int64_t rows = x.size(0), k = x.size(1), tiles = weight.size(0);
   TORCH_CHECK(weight.is_contiguous() && weight.size(1) * kPairGroup == k, "the tiles hold ",
               weight.size(1) * kPairGroup, " input features, x has ", k);
-  TORCH_CHECK(n > (tiles - 1) * kTile && n <= tiles * kTile, "out_features ", n,
-              " does not fit ", tiles, " tiles");
+  check_fits_tiles(n, tiles);
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({rows, n}, x.options());
 #if defined(__AVX512BF16__)
@@ -1298,12 +1306,8 @@ at::Tensor weight_only_product(const at::Tensor& x, const at::Tensor& weight,
 // without VNNI, where oneDNN's int8 GEMM saturates (Int8Linear.pack_for_cpu). Its products are
 // then taken in fp32 over the int8 values, read at one byte per weight with unit scales; exact,
 // as the sums are integers below 2^24. Its input is the activations' int8 values as floats.
-bool int8_tiles_of_width(const at::Tensor& packed_weight, int64_t width) {
-  return packed_weight.scalar_type() == at::kChar && !packed_weight.is_mkldnn() &&
-         packed_weight.dim() == 3 && packed_weight.size(2) == width;
-}
 bool values_in_tiles(const at::Tensor& packed_weight) {
-  return int8_tiles_of_width(packed_weight, kTile);
+  return tiles_of(packed_weight, at::kChar, kTile);
 }
 
 // W8A8 weights for AVX512-VNNI's u8 x s8 dot products (`vpdpbusd`), laid out by
@@ -1314,7 +1318,7 @@ bool values_in_tiles(const at::Tensor& packed_weight) {
 // 128 * sum(w) is the exact int32 sum(q * w).
 constexpr int64_t kVnniGroup = 4;
 bool vnni_tiles(const at::Tensor& packed_weight) {
-  return int8_tiles_of_width(packed_weight, kVnniGroup * kTile);
+  return tiles_of(packed_weight, at::kChar, kVnniGroup * kTile);
 }
 
 #if defined(__AVX512VNNI__)
@@ -1373,8 +1377,7 @@ void vnni_int8_product(at::Tensor& out, const at::Tensor& q, const at::Tensor& p
   TORCH_CHECK(k % kVnniGroup == 0 && packed_weight.size(1) == k / kVnniGroup + 1,
               "the VNNI tiles hold ", (packed_weight.size(1) - 1) * kVnniGroup,
               " input features, q has ", k);
-  TORCH_CHECK(n > (tiles - 1) * kTile && n <= tiles * kTile, "out_features ", n,
-              " does not fit ", tiles, " tiles");
+  check_fits_tiles(n, tiles);
 #if defined(__AVX512VNNI__)
   const int64_t tile_bytes = packed_weight.size(1) * kVnniGroup * kTile;
   const Epilogue e{weight_scale.data_ptr<float>(), row_scales};

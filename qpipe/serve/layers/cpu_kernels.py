@@ -156,24 +156,26 @@ def tiled_vnni(weight: torch.Tensor) -> torch.Tensor:
     four consecutive inputs of each of its TILE output features side by side (the operand order
     of AVX512-VNNI's u8 x s8 dot product), then the tile's compensations 128 * sum(w) per feature
     as int32 bytes, which the kernel subtracts because its input is q + 128."""
-    out_features, in_features = weight.shape
-    if in_features % VNNI_GROUP:
-        raise ValueError(f"VNNI tiles need in_features divisible by 4, got {in_features}")
-    tiles = tiled(weight).view(-1, in_features // VNNI_GROUP, VNNI_GROUP, TILE).transpose(2, 3)
+    if weight.shape[1] % VNNI_GROUP:
+        raise ValueError(f"VNNI tiles need in_features divisible by 4, got {weight.shape[1]}")
     compensation = tiled(128 * weight.sum(dim=1, dtype=torch.int32).reshape(-1, 1))
-    compensation = compensation.reshape(-1, 1, TILE).contiguous().view(torch.int8)
-    return torch.cat([tiles.reshape(tiles.shape[0], -1, VNNI_GROUP * TILE), compensation], dim=1)
+    return torch.cat([_grouped_tiles(weight, VNNI_GROUP), compensation.view(torch.int8)], dim=1)
 
 
 def tiled_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 [out_features, in_features] weight as [tiles, in_features / 2, 2 * TILE]: in each
     tile, two consecutive inputs of each of its TILE output features side by side (the operand
     order of AVX512-BF16's dot product, 32 multiply-adds per instruction into TILE fp32 sums)."""
-    out_features, in_features = weight.shape
-    if in_features % BF16_PAIR:
-        raise ValueError(f"bf16 pair tiles need an even in_features, got {in_features}")
-    pairs = _padded_to_tiles(weight).view(-1, TILE, in_features // BF16_PAIR, BF16_PAIR)
-    return pairs.permute(0, 2, 1, 3).reshape(pairs.shape[0], -1, BF16_PAIR * TILE)  # one copy
+    if weight.shape[1] % BF16_PAIR:
+        raise ValueError(f"bf16 pair tiles need an even in_features, got {weight.shape[1]}")
+    return _grouped_tiles(weight, BF16_PAIR)
+
+
+def _grouped_tiles(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """[out, in] -> [tiles, in / group, group * TILE]: per tile, `group` consecutive inputs of
+    each of its TILE output features side by side, in one copy of the weight."""
+    grouped = _padded_to_tiles(weight).view(-1, TILE, weight.shape[1] // group, group)
+    return grouped.permute(0, 2, 1, 3).reshape(grouped.shape[0], -1, group * TILE)
 
 
 def decode_attention_fits(head_dim: int, block_size: int) -> bool:
