@@ -17,7 +17,7 @@ from qpipe.serve.config import EngineConfig
 from qpipe.serve.engine import LLMEngine
 from qpipe.serve.layers import cpu_kernels, linear
 from qpipe.serve.layers.activation import gated_mlp, silu_and_mul
-from qpipe.serve.layers.attention import _gather, cache_views
+from qpipe.serve.layers.attention import _gather, _write_kv, cache_views
 from qpipe.serve.layers.linear import (
     DenseLinear,
     Int8Linear,
@@ -44,19 +44,38 @@ def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> N
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (compute dtype, cache dtype): the model's own, and the narrower caches of kv_cache_dtype
+CACHES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float8_e4m3fn),
+    (torch.bfloat16, torch.float8_e4m3fn),
+]
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype"), CACHES)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (8, 8, 128, 16), (32, 4, 128, 32), (10, 2, 80, 16), (6, 1, 64, 32)],
 )
 def test_decode_attention_equals_sdpa_over_gathered_cache(
-    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
 ) -> None:
+    """Against SDPA over the cached values widened to fp32: a narrower cache changes what is
+    stored, never how the kernel computes with it (fp8's 2^-8 widening is folded back exactly).
+    randn puts ~1 % of the fp8 values in e4m3's subnormal range (below 2^-6)."""
     gen = torch.Generator().manual_seed(heads * head_dim + block_size)
     lengths = torch.tensor([1, 15, 16, 17, 70, 161], dtype=torch.int32)
     batch, width = len(lengths), -(-int(lengths.max()) // block_size)
     num_blocks = batch * width + 3
-    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    kv_cache = kv_cache.to(cache_dtype)
     k_cache, v_cache = cache_views(kv_cache)
     tables = torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width)
     tables = tables.to(torch.int32)
@@ -66,7 +85,7 @@ def test_decode_attention_equals_sdpa_over_gathered_cache(
     out = torch.full_like(q, float("nan"))
     cpu_kernels.ops.decode_attention(out, q, k_cache, v_cache, tables, lengths, scale)
 
-    ks, vs = _gather(k_cache, v_cache, tables)
+    ks, vs = _gather(k_cache, v_cache, tables, torch.float32)
     beyond = torch.arange(width * block_size)[None, :] >= lengths[:, None]
     mask = torch.zeros(beyond.shape).masked_fill_(beyond, float("-inf"))[:, None, None, :]
     group = heads // kv_heads
@@ -446,23 +465,51 @@ def test_fused_int8_gated_mlp_equals_the_layer_by_layer_path(
     assert fused.abs().max() > 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_fills_the_same_slots_as_the_eager_scatter(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "cache_dtype"), CACHES)
+def test_write_kv_fills_the_same_slots_with_the_same_bits_as_the_torch_ops(
+    dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    """The kernel against `_write_kv`, the torch ops of the GPU path: the same cache bytes, and k
+    and v left holding what the cache holds (the kernel rounds them in place). Values span fp8's
+    subnormals, its rounding ties, and past its +-448 (saturated)."""
     gen = torch.Generator().manual_seed(5)
     kv_heads, head_dim, block_size, blocks = 3, 64, 16, 6
-    qkv = torch.randn(7, (9 + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    qkv = torch.randn(7, (9 + 2 * kv_heads) * head_dim, generator=gen)
+    qkv *= torch.tensor([1e-3, 1.0, 50.0, 1e3]).repeat(qkv.numel() // 4).view(qkv.shape)
+    qkv = qkv.to(dtype)
     _, k, v = qkv.view(7, 9 + 2 * kv_heads, head_dim).split([9, kv_heads, kv_heads], 1)
+    # fp8 ties (to 1.0, to 1.25, a subnormal's to 2 * 2^-9), saturated magnitudes, a zero
+    k[0, 0, :8] = torch.tensor([1.0625, 1.1875, -1.0625, 3 * 2**-10, 460, -1e9, 0.0, 2**-12])
     slots = torch.tensor([0, 15, 16, 33, 47, 80, 95])
-    kernel = torch.zeros(2, blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    kernel = torch.zeros(2, blocks, block_size, kv_heads, head_dim, dtype=cache_dtype)
     eager = kernel.clone()
 
+    k_cache, v_cache = cache_views(eager)
+    expected_k, expected_v = _write_kv(k_cache, v_cache, k.clone(), v.clone(), slots)
     k_cache, v_cache = cache_views(kernel)
     cpu_kernels.ops.write_kv(k_cache, v_cache, k, v, slots)
-    k_cache, v_cache = cache_views(eager)
-    k_cache.permute(0, 3, 1, 2).index_put_((slots // block_size, slots % block_size), k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
-    assert torch.equal(kernel, eager)
-    assert kernel.count_nonzero() > 0
+    assert torch.equal(kernel.view(torch.uint8), eager.view(torch.uint8))
+    assert kernel.float().count_nonzero() > 0 and not kernel.float().isnan().any()
+    assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
+    if cache_dtype == torch.float8_e4m3fn:
+        assert kernel.float().abs().max() == 448 and k.abs().max() == 448
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [c for c in CACHES if c[0] != c[1]])
+def test_widen_kv_gives_torch_casts_values_for_every_bit_pattern(
+    dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    """Every fp8 bit pattern but the two NaNs (bf16: 4096 patterns that include subnormals and
+    both zeros), repeated past one of the kernel's chunks and ending off the vector width."""
+    if cache_dtype == torch.float8_e4m3fn:
+        bits = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    else:
+        bits = torch.randint(-(2**15), 2**15, (4096,), dtype=torch.int16)
+        bits = bits[~bits.view(torch.bfloat16).isnan()]
+    x = bits.repeat(9000 // len(bits) + 1)[: 9000 + 7].view(cache_dtype)
+    out = torch.full(x.shape, float("nan"), dtype=dtype)
+    cpu_kernels.ops.widen_kv(out, x)
+    assert torch.equal(out, x.to(dtype))
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])

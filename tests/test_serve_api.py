@@ -888,7 +888,7 @@ def test_serve_command_binds_localhost_and_exits_cleanly(tiny_llama_checkpoint: 
         port = probe.getsockname()[1]
     command = "import typer; from qpipe.serve.cli import serve; typer.run(serve)"
     args = [str(tiny_llama_checkpoint), "--port", str(port), "--served-model-name", "cli-tiny"]
-    args += ["--kv-cache-memory", "0.05", "--max-model-len", "128"]
+    args += ["--kv-cache-memory", "0.05", "--max-model-len", "128", "--kv-cache-dtype", "fp8"]
     env = {**os.environ, "QPIPE_API_KEY": API_KEY, "COLUMNS": "400"}  # log lines unwrapped
     proc = subprocess.Popen([sys.executable, "-c", command, *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
@@ -921,8 +921,8 @@ def test_serve_command_binds_localhost_and_exits_cleanly(tiny_llama_checkpoint: 
     assert "Application shutdown complete" in output
     assert "clean_up_tokenization_spaces" not in output, "no transformers warning on decode"
     logged = re.search(
-        r"KV cache: (\d+) blocks of 16 tokens \(([\d.]+) GiB\); max concurrency at "
-        r"max_model_len 128: ([\d.]+)",
+        r"KV cache: (\d+) blocks of 16 tokens in float8_e4m3fn \(([\d.]+) GiB\); "
+        r"max concurrency at max_model_len 128: ([\d.]+)",
         output,
     )
     assert logged, f"the KV-cache size is logged: {output}"

@@ -16,7 +16,7 @@ from qpipe.serve import model_runner
 from qpipe.serve.config import EngineConfig
 from qpipe.serve.engine import LLMEngine
 from qpipe.serve.layers import cpu_kernels, linear
-from qpipe.serve.model_runner import StepResult, prompt_logprob_rows
+from qpipe.serve.model_runner import StepResult, prompt_logprob_rows, resolve_kv_cache_dtype
 from qpipe.serve.sampling_params import SamplingParams
 from qpipe.serve.scheduler import ScheduledBatch, ScheduledSeq
 from qpipe.serve.sequence import Sequence
@@ -416,6 +416,22 @@ def test_auto_dtype_is_16_bit_only_where_the_hardware_multiplies_16_bit_values(
     assert resolve_dtype("float32", "cuda", {}) is torch.float32
 
 
+def test_kv_cache_dtype_is_checked_and_fp8_on_a_gpu_needs_ada_or_hopper(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'bfloat16'"):
+        EngineConfig(model=str(tmp_path), kv_cache_dtype="int8")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kv_cache_dtype("auto", torch.float32, cpu) is torch.float32
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32, cpu) is torch.bfloat16
+    assert resolve_kv_cache_dtype("fp8", torch.bfloat16, cpu) is torch.float8_e4m3fn
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    with pytest.raises(ValueError, match="compute capability 8.9 .* this GPU is 8.0"):
+        resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, cuda) is torch.float8_e4m3fn
+
+
 def test_float16_on_cpu_is_served_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     from qpipe.serve.loader import resolve_dtype
 
@@ -424,6 +440,45 @@ def test_float16_on_cpu_is_served_with_a_warning(caplog: pytest.LogCaptureFixtur
         assert not caplog.records
         assert resolve_dtype("float16", "cpu", {}) is torch.float16
     assert "pass --dtype bfloat16" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "stored", "narrower", "agreement"),
+    [("bfloat16", torch.bfloat16, 2, 0.98), ("fp8", torch.float8_e4m3fn, 4, 0.95)],
+)
+def test_a_narrower_kv_cache_holds_more_tokens_and_still_tracks_transformers(
+    engine: LLMEngine,
+    smollm2_checkpoint: Path,
+    kv_cache_dtype: str,
+    stored: torch.dtype,
+    narrower: int,
+    agreement: float,
+) -> None:
+    """fp32 compute over a bf16 or fp8 KV cache of the same size in bytes: 2x or 4x the blocks.
+    Greedy tokens against transformers' fp64 logits, teacher-forced; a prefix-cache hit reads
+    the rounded values the miss attended to, so it gives the miss's tokens exactly. Measured here
+    on 5 prompts x 48 tokens: the bf16 cache gave the fp32 cache's 240 tokens, fp8 a top-1
+    agreement of 0.96 (fp32: 1.0), no token below second place; on these 72, 1.0 and 0.986."""
+    narrow = LLMEngine(replace(engine.model_runner.config, kv_cache_dtype=kv_cache_dtype))
+    runner = narrow.model_runner
+    assert runner.kv_cache.dtype is stored and runner.dtype is torch.float32
+    assert runner.block_bytes * narrower == engine.model_runner.block_bytes
+    assert runner.num_kv_blocks >= narrower * engine.model_runner.num_kv_blocks
+
+    prompts = [encode(narrow, p) for p in PROMPTS]
+    outs = narrow.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    exact = teacher_forced_logits(smollm2_checkpoint, prompts, outs, torch.float64)
+    tokens = [torch.tensor(out) for out in outs]
+    assert top1_agreement(exact, tokens) >= agreement
+    assert worst_rank(exact, tokens) <= 1
+
+    prompt = encode(narrow, SHARED_PREFIX + "What is the boiling point of water?")
+    (miss,) = narrow.generate([prompt], GREEDY)
+    hits = narrow.stats().prefix_cache_hits
+    assert narrow.generate([prompt], GREEDY) == [miss]
+    assert narrow.stats().prefix_cache_hits - hits >= 32
+    stats = narrow.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
 
 
 def test_bf16_serving_keeps_a_bf16_cache_and_tracks_transformers_bf16(

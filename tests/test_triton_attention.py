@@ -13,6 +13,13 @@ CASES = [  # heads, kv_heads, head_dim, block_size
     (32, 8, 128, 16),  # Llama 3 8B
 ]
 LENGTHS = [1, 15, 16, 17, 50, 96]  # first token only, mid-block, block edges, several blocks
+# (compute dtype, cache dtype): the model's own, and the narrower caches of kv_cache_dtype
+DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.float8_e4m3fn),
+]
 
 
 def _compare_in_interpreter() -> None:
@@ -21,9 +28,10 @@ def _compare_in_interpreter() -> None:
 
     gen = torch.Generator().manual_seed(0)
     for heads, kv_heads, head_dim, block_size in CASES:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype, cache_dtype in DTYPES:
             blocks = 64
-            cache = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+            cache = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=gen)
+            cache = cache.to(cache_dtype)
             k_cache, v_cache = cache_views(cache)
             lens = torch.tensor(LENGTHS, dtype=torch.int32)
             width = -(-max(LENGTHS) // block_size)
@@ -34,7 +42,7 @@ def _compare_in_interpreter() -> None:
             scale = head_dim**-0.5
             triton_attention.decode_attention(out, q, k_cache, v_cache, tables, lens, scale)
 
-            ks, vs = _gather(k_cache, v_cache, tables)
+            ks, vs = _gather(k_cache, v_cache, tables, torch.float32)
             beyond = torch.arange(width * block_size)[None, :] >= lens[:, None]
             mask = torch.zeros(beyond.shape).masked_fill_(beyond, float("-inf"))[:, None, None]
             group = heads // kv_heads
@@ -48,7 +56,8 @@ def _compare_in_interpreter() -> None:
             tolerance = 1e-5 if dtype is torch.float32 else 1.6e-2
             torch.testing.assert_close(out.float(), ref, atol=tolerance, rtol=tolerance)
             print(
-                f"ok {heads}/{kv_heads} heads, head_dim {head_dim}, blocks of {block_size}, {dtype}"
+                f"ok {heads}/{kv_heads} heads, head_dim {head_dim}, blocks of {block_size}, "
+                f"{dtype}, cache {cache_dtype}"
             )
 
 
@@ -56,7 +65,7 @@ def test_triton_decode_attention_equals_sdpa_in_the_interpreter() -> None:
     from tests.triton_interpreter import run_interpreted  # not in the child, which runs this file
 
     stdout = run_interpreted(__file__)
-    assert stdout.count("ok ") == 2 * len(CASES), stdout
+    assert stdout.count("ok ") == len(DTYPES) * len(CASES), stdout
 
 
 def test_kernel_sizes_it_takes() -> None:

@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB")
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens
     )
@@ -43,9 +45,10 @@ def main() -> None:
         EngineConfig(
             model=args.model,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
             block_size=args.block_size,
-            kv_cache_memory_gib=1.0,
+            kv_cache_memory_gib=args.kv_cache_memory,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=max(args.concurrency, EngineConfig.max_num_seqs),
             enforce_eager=args.enforce_eager,
@@ -103,6 +106,8 @@ def main() -> None:
         "model": args.model,
         "device": args.device,
         "dtype": str(engine.model_runner.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(engine.model_runner.kv_cache_dtype).removeprefix("torch."),
+        "preemptions": engine.stats().num_preemptions,
         "cuda_graphs": engine.model_runner.decode_graphs is not None,
         "concurrency": args.concurrency,
         "requests": total,
@@ -120,7 +125,8 @@ def main() -> None:
         f"concurrency {args.concurrency}, {total} requests, {steps} steps, "
         f"{torch.get_num_threads()} threads: {figures['output_tok_s']:.1f} output tok/s, "
         f"TTFT p50 {figures['ttft_p50_s']:.2f}s p99 {figures['ttft_p99_s']:.2f}s, "
-        f"TPOT p50 {figures['tpot_p50_ms']:.0f}ms, {elapsed:.1f}s wall, {cpu:.1f}s CPU"
+        f"TPOT p50 {figures['tpot_p50_ms']:.0f}ms, {figures['preemptions']} preemptions, "
+        f"{elapsed:.1f}s wall, {cpu:.1f}s CPU"
     )
     if speed:
         print(f"machine before the run: {speed.describe()}")

@@ -48,6 +48,9 @@ def serve(
     block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 16,
     enable_prefix_caching: Annotated[bool, typer.Option()] = True,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    kv_cache_dtype: Annotated[
+        str, typer.Option(help="auto (the model's dtype), bfloat16, or fp8 (e4m3, scale 1).")
+    ] = "auto",
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     kv_cache_memory: Annotated[
         float, typer.Option(help="KV-cache size in GiB (CPU).", min=0.01)
@@ -99,6 +102,7 @@ def serve(
         config = EngineConfig(
             model=str(path),
             dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             device=device,
             block_size=block_size,
             max_num_seqs=max_num_seqs,

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# "auto": the compute dtype. "fp8" is vLLM's name for fp8_e4m3.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 DEVICES = ("cpu", "cuda")
 
 # Tokens one step may hold when the user does not say (`max_num_batched_tokens`). Every prompt
@@ -27,6 +29,7 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
     max_num_seqs: int = 64
@@ -48,6 +51,11 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"EngineConfig.device must be one of {DEVICES}, got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

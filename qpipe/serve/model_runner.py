@@ -51,6 +51,7 @@ class ModelRunner:
         path = Path(config.model)
         raw = read_config_json(path)
         self.dtype = resolve_dtype(config.dtype, config.device, raw)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         limit = raw.get("max_position_embeddings", config.max_model_len_cap)
         limit_name = "max_position_embeddings"
         window = sliding_window(raw)
@@ -98,13 +99,14 @@ class ModelRunner:
         self.scratch_block = self.num_kv_blocks
         self.kv_cache = torch.zeros(
             self.num_layers, 2, self.num_kv_blocks + 1, self.block_size, self.num_kv_heads,
-            self.head_dim, dtype=self.dtype, device=self.device,
+            self.head_dim, dtype=self.kv_cache_dtype, device=self.device,
         )  # fmt: skip
         log.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB); max concurrency at max_model_len %d: "
-            "%.1f; steps of at most %d tokens",
-            self.num_kv_blocks, self.block_size, self.kv_cache.nbytes / GIB, self.max_model_len,
-            capacity / self.max_model_len, config.token_budget,
+            "KV cache: %d blocks of %d tokens in %s (%.2f GiB); max concurrency at max_model_len "
+            "%d: %.1f; steps of at most %d tokens",
+            self.num_kv_blocks, self.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
+            self.kv_cache.nbytes / GIB, self.max_model_len, capacity / self.max_model_len,
+            config.token_budget,
         )  # fmt: skip
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and self.decode_kernel and not config.enforce_eager:
@@ -119,7 +121,7 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def _count_kv_blocks(self, max_len: int) -> int:
@@ -157,7 +159,7 @@ class ModelRunner:
         blocks = -(-tokens // self.block_size)
         scratch = torch.zeros(
             self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim,
-            dtype=self.dtype, device=self.device,
+            dtype=self.kv_cache_dtype, device=self.device,
         )  # fmt: skip
         spans = tuple(
             PrefillSpan(start, min(seq_len, tokens - start), 0, None)
@@ -353,6 +355,26 @@ class DecodeRows:
         """Block tables padded with block 0 to one width; nothing reads past a row's length."""
         width = self.width
         return [t + [0] * (width - len(t)) for t in self.tables]
+
+
+def resolve_kv_cache_dtype(requested: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What the KV cache holds. Decode attention reads every cached K and V of every running
+    sequence each step, so a narrower cache is both room for more sequences and less to read:
+    bf16 halves an fp32 model's cache, fp8 e4m3 halves a 16-bit one's. fp8 values are stored
+    with a scale of 1, as vLLM does without calibrated scales: beyond +-448 they saturate, and
+    each keeps 3 mantissa bits. Attention widens them to fp32 on load (the C++ and Triton
+    kernels) or before SDPA."""
+    if requested == "auto":
+        return dtype
+    if requested == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"kv_cache_dtype={requested!r}: Triton reads fp8 from compute capability 8.9 (Ada, "
+            f"Hopper) on; this GPU is {major}.{minor}. Use --kv-cache-dtype auto or bfloat16"
+        )
+    return torch.float8_e4m3fn
 
 
 def sliding_window(raw: dict) -> int | None:

@@ -94,6 +94,48 @@ inline vfloat loadv(const bf16* p) {
   std::memcpy(&h, p, sizeof h);
   return widen(h);
 }
+// Raw bits of an fp8 e4m3 value (the OCP "fn" form: no infinities, max 448), as a KV cache holds
+// them. Loads of them give the value times 2^-8 (callers scale by kUnscale), which the CPU makes
+// from them exactly in one instruction: with the sign moved to the top and exponent and mantissa
+// 7 places up, an e4m3 value's bits are an fp16 whose exponent is biased by 15 instead of 7,
+// subnormals included. Without F16C, a table of the 256 values.
+struct e4m3 {
+  uint8_t bits;
+};
+inline float ld(const e4m3* p) {
+  static const std::vector<float> values = [] {
+    std::vector<float> table(256);
+    for (int b = 0; b < 256; ++b) {
+      const int exponent = (b >> 3) & 15, mantissa = b & 7;
+      const float magnitude = exponent ? std::ldexp(8.f + mantissa, exponent - 18)
+                                       : std::ldexp(static_cast<float>(mantissa), -17);
+      table[b] = b & 0x80 ? -magnitude : magnitude;
+    }
+    return table;
+  }();
+  return values[p->bits];
+}
+inline vfloat loadv(const e4m3* p) {
+#if defined(__AVX512F__)
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(
+      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
+      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return reinterpret_cast<vfloat>(_mm512_cvtph_ps(h));
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+  return reinterpret_cast<vfloat>(_mm256_cvtph_ps(h));
+#else
+  vfloat v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = ld(p + l);
+  return v;
+#endif
+}
+// What a load's values are multiplied by to be the stored ones.
+template <typename C>
+constexpr float kUnscale = std::is_same_v<C, e4m3> ? 256.f : 1.f;
 // kLanes floats rounded to bf16 bits. With AVX512-BF16 one instruction instead of seven (measured
 // here per 2048-token layer in bf16: SiLU * up 2.5 -> 1.7 ms, residual add + RMSNorm 0.36 ->
 // 0.27 ms), the same round-to-nearest-even as `st` except that it flushes subnormals
@@ -1552,10 +1594,50 @@ at::Tensor int8_gated_mlp(const at::Tensor& x, const at::Tensor& gate_up_weight,
   return out;
 }
 
+// Calls body with a null pointer of the KV cache's element type: float, bf16 or e4m3.
+template <typename F>
+void dispatch_cache(const at::Tensor& cache, const char* op, F&& body) {
+  if (cache.scalar_type() == at::kFloat8_e4m3fn) {
+    body(static_cast<e4m3*>(nullptr));
+  } else {
+    dispatch(cache, op, body);
+  }
+}
+
+// The bits of an e4m3 value r already on e4m3's grid (round_to_e4m3 of a clamped value).
+inline e4m3 e4m3_of(float r) {
+  const uint32_t u = bit_cast<uint32_t>(r), sign = (u >> 24) & 0x80u;
+  const float a = std::fabs(r);
+  if (a != a) return e4m3{static_cast<uint8_t>(sign | 0x7fu)};
+  const uint32_t magnitude = a < 0.015625f ? static_cast<uint32_t>(a * 512.f)  // subnormal
+                                           : (((u >> 23) & 0xffu) - 120u) << 3 | ((u >> 20) & 7u);
+  return e4m3{static_cast<uint8_t>(sign | magnitude)};
+}
+
+// x as a cache of element type C stores it; x itself becomes the value the cache holds. fp8
+// saturates at +-448 (torch's cast would make NaN of anything beyond).
+template <typename C, typename T>
+inline C cached(T& x) {
+  if constexpr (std::is_same_v<C, T>) {
+    return x;
+  } else if constexpr (std::is_same_v<C, e4m3>) {
+    const float r = round_to_e4m3(clamp(ld(&x), -448.f, 448.f));
+    st(&x, r);
+    return e4m3_of(r);
+  } else {
+    C c;
+    st(&c, ld(&x));
+    st(&x, ld(&c));
+    return c;
+  }
+}
+
 // Writes the new tokens' K and V into their cache slots: K into the token-minor K block layout
 // ([blocks, kv_heads, head_dim, block_size], one strided store per element), V row by row. One
-// call per layer instead of an index_put_ and an index_copy_.
-void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+// call per layer instead of an index_put_ and an index_copy_. Where the cache is narrower than k
+// and v (kv_cache_dtype), they are rounded to it, and k and v are overwritten with the values it
+// now holds: this step's prefill attention then sees what later steps will read.
+void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& k, at::Tensor& v,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3, "k and v must be [tokens, kv_heads, head_dim]");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) &&
@@ -1563,27 +1645,62 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, con
               "each token's k and v heads must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type(), "k and cache dtypes differ");
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "k and v, and the two caches, must share a dtype");
   const int64_t tokens = k.size(0), row = k.size(1) * k.size(2), block_size = k_cache.size(3);
   const int64_t dim = k.size(2), kv_heads = k.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  dispatch(k, "write_kv", [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    const T* ks = ptr<T>(k);
-    const T* vs = ptr<T>(v);
-    T* kc = ptr<T>(k_cache);
-    T* vc = ptr<T>(v_cache);
-    const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
-    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
-        std::memcpy(vc + slots[t] * row, vs + t * v_stride, row * sizeof(T));
-        const T* src = ks + t * k_stride;
-        T* dst = kc + block * row * block_size + offset;
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          for (int64_t d = 0; d < dim; ++d) dst[(h * dim + d) * block_size] = src[h * dim + d];
+  dispatch(k, "write_kv", [&](auto* k_tag) {
+    dispatch_cache(k_cache, "write_kv's cache", [&](auto* cache_tag) {
+      using T = std::remove_pointer_t<decltype(k_tag)>;
+      using C = std::remove_pointer_t<decltype(cache_tag)>;
+      T* ks = ptr<T>(k);
+      T* vs = ptr<T>(v);
+      C* kc = ptr<C>(k_cache);
+      C* vc = ptr<C>(v_cache);
+      const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
+      at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+          T* v_src = vs + t * v_stride;
+          C* v_dst = vc + slots[t] * row;
+          for (int64_t i = 0; i < row; ++i) v_dst[i] = cached<C>(v_src[i]);
+          T* src = ks + t * k_stride;
+          C* dst = kc + block * row * block_size + offset;
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            for (int64_t d = 0; d < dim; ++d) {
+              dst[(h * dim + d) * block_size] = cached<C>(src[h * dim + d]);
+            }
+          }
         }
-      }
+      });
+    });
+  });
+}
+
+// out = x widened from a cache's element type (bf16 or e4m3) to out's (float or bf16): the context
+// that a prefill chunk or a prefix-cache hit gathers for SDPA. torch casts fp8 one element at a
+// time (2-2.5 ns each here), this ~30x faster.
+void widen_kv(at::Tensor& out, const at::Tensor& x) {
+  TORCH_CHECK(out.is_contiguous() && x.is_contiguous() && out.numel() == x.numel(),
+              "out and x must be contiguous and hold as many values");
+  const int64_t n = x.numel();
+  constexpr int64_t kChunk = 4096;
+  dispatch(out, "widen_kv", [&](auto* out_tag) {
+    dispatch_cache(x, "widen_kv's input", [&](auto* in_tag) {
+      using T = std::remove_pointer_t<decltype(out_tag)>;
+      using C = std::remove_pointer_t<decltype(in_tag)>;
+      const C* in = ptr<C>(x);
+      T* o = ptr<T>(out);
+      at::parallel_for(0, (n + kChunk - 1) / kChunk, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t c = begin; c < end; ++c) {
+          const int64_t first = c * kChunk;
+          for_lanes(std::min(kChunk, n - first), [&](int64_t i, auto lane) {
+            using V = decltype(lane);
+            st(o + first + i, load<V>(in + first + i) * kUnscale<C>);
+          });
+        }
+      });
     });
   });
 }
@@ -1599,11 +1716,12 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, con
 
 constexpr int64_t kMaxHeadsPerPass = 4;  // query heads sharing one pass over K and V
 
-template <typename T>
+// T: the dtype of q and out; C: the cache's (T, bf16 or e4m3).
+template <typename T, typename C>
 struct DecodeArgs {
   const T* q;
-  const T* k;
-  const T* v;
+  const C* k;
+  const C* v;
   T* out;
   const int32_t* tables;
   const int32_t* lengths;
@@ -1615,8 +1733,8 @@ struct DecodeArgs {
 // NG query heads (first_head onwards) of sequence b that share KV head kvh: each K and V vector
 // is loaded once for all of them, and NG independent sums hide the multiply-add latency. Vectors
 // are the CPU's own width (vfloat), so the NG sums and the NG output accumulators stay in registers.
-template <typename T, int NG>
-void attend(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t first_head, float* qf,
+template <typename T, typename C, int NG>
+void attend(const DecodeArgs<T, C>& a, int64_t b, int64_t kvh, int64_t first_head, float* qf,
             float* scores) {
   const int64_t dim = a.dim, bs = a.block_size, len = a.lengths[b];
   const int64_t blocks = (len + bs - 1) / bs, v_row = a.kv_heads * dim;
@@ -1626,16 +1744,16 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t first_head, 
   const vfloat minus_inf = vfloat{} - INFINITY;
   for (int g = 0; g < NG; ++g) {
     const T* src = a.q + b * a.q_batch + (first_head + g) * a.q_head;
-    for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = ld(src + d) * a.scale;
+    for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = ld(src + d) * (a.scale * kUnscale<C>);
   }
   vfloat top[NG];
   for (int g = 0; g < NG; ++g) top[g] = minus_inf;
   for (int64_t j = 0; j < blocks; ++j) {
-    const T* kt = a.k + (table[j] * a.kv_heads + kvh) * dim * bs;
+    const C* kt = a.k + (table[j] * a.kv_heads + kvh) * dim * bs;
     if (j + 1 < blocks) {  // blocks are scattered: fetch the next one's K and V while this one runs
-      prefetch_bytes(a.k + (table[j + 1] * a.kv_heads + kvh) * dim * bs, dim * bs * sizeof(T));
-      const T* vn = a.v + table[j + 1] * bs * v_row + kvh * dim;
-      for (int64_t t = 0; t < bs; ++t) prefetch_bytes(vn + t * v_row, dim * sizeof(T));
+      prefetch_bytes(a.k + (table[j + 1] * a.kv_heads + kvh) * dim * bs, dim * bs * sizeof(C));
+      const C* vn = a.v + table[j + 1] * bs * v_row + kvh * dim;
+      for (int64_t t = 0; t < bs; ++t) prefetch_bytes(vn + t * v_row, dim * sizeof(C));
     }
     for (int64_t c = 0; c < bs; c += kLanes) {
       vfloat s[NG] = {};
@@ -1662,14 +1780,14 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t first_head, 
       sg[t] = fast_exp(sg[t] - m);
       total += sg[t];
     }
-    inv[g] = 1.f / total;
+    inv[g] = kUnscale<C> / total;
   }
   // one vector of output lanes at a time over the whole context: NG accumulators, and every V
   // cache line still read once
   for (int64_t c = 0; c < dim; c += kLanes) {
     vfloat acc[NG] = {};
     for (int64_t j = 0; j < blocks; ++j) {
-      const T* vb = a.v + table[j] * bs * v_row + kvh * dim + c;
+      const C* vb = a.v + table[j] * bs * v_row + kvh * dim + c;
       const int64_t first = j * bs, valid = std::min(bs, len - first);
       for (int64_t t = 0; t < valid; ++t) {
         const vfloat v = loadv(vb + t * v_row);
@@ -1683,26 +1801,26 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t first_head, 
 }
 
 // Heads of one KV group in passes of at most 4.
-template <typename T>
-void attend_group(const DecodeArgs<T>& a, int64_t b, int64_t kvh, int64_t group, float* qf,
+template <typename T, typename C>
+void attend_group(const DecodeArgs<T, C>& a, int64_t b, int64_t kvh, int64_t group, float* qf,
                   float* scores) {
   for (int64_t h = 0; h < group; h += kMaxHeadsPerPass) {
     const int64_t first = kvh * group + h;
     switch (std::min<int64_t>(kMaxHeadsPerPass, group - h)) {
-      case 1: attend<T, 1>(a, b, kvh, first, qf, scores); break;
-      case 2: attend<T, 2>(a, b, kvh, first, qf, scores); break;
-      case 3: attend<T, 3>(a, b, kvh, first, qf, scores); break;
-      default: attend<T, 4>(a, b, kvh, first, qf, scores);
+      case 1: attend<T, C, 1>(a, b, kvh, first, qf, scores); break;
+      case 2: attend<T, C, 2>(a, b, kvh, first, qf, scores); break;
+      case 3: attend<T, C, 3>(a, b, kvh, first, qf, scores); break;
+      default: attend<T, C, 4>(a, b, kvh, first, qf, scores);
     }
   }
 }
 
-template <typename T>
-void decode_attention_impl(const DecodeArgs<T>& a, int64_t batch, int64_t group) {
+template <typename T, typename C>
+void decode_attention_impl(const DecodeArgs<T, C>& a, int64_t batch, int64_t group) {
   at::parallel_for(0, batch * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(kMaxHeadsPerPass * a.dim), scores(kMaxHeadsPerPass * a.padded);
     for (int64_t item = begin; item < end; ++item) {
-      attend_group<T>(a, item / a.kv_heads, item % a.kv_heads, group, qf.data(), scores.data());
+      attend_group(a, item / a.kv_heads, item % a.kv_heads, group, qf.data(), scores.data());
     }
   });
 }
@@ -1710,7 +1828,8 @@ void decode_attention_impl(const DecodeArgs<T>& a, int64_t batch, int64_t group)
 #pragma GCC pop_options
 
 // k_cache: [blocks, kv_heads, head_dim, block_size]; v_cache: [blocks, block_size, kv_heads,
-// head_dim]; block_tables: [batch, width] int32; context_lens: [batch] int32.
+// head_dim], in q's dtype, bf16 or fp8 e4m3; block_tables: [batch, width] int32; context_lens:
+// [batch] int32.
 void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                       const at::Tensor& v_cache, const at::Tensor& block_tables,
                       const at::Tensor& context_lens, double scale) {
@@ -1718,7 +1837,8 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1, "out must be [batch, heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be 4-D");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "cache and q dtypes differ");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out and q dtypes differ");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches' dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
               "block_tables must be contiguous int32");
   TORCH_CHECK(context_lens.scalar_type() == at::kInt, "context_lens must be int32");
@@ -1730,15 +1850,20 @@ void decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   int64_t longest = 0;
   for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, lengths[b]);
   const int64_t group = q.size(1) / k_cache.size(1);
-  dispatch(q, "decode_attention", [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    const DecodeArgs<T> a{ptr<T>(q), ptr<T>(k_cache), ptr<T>(v_cache), ptr<T>(out),
-                          block_tables.data_ptr<int32_t>(), lengths,
-                          q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                          block_tables.size(1), k_cache.size(1), block_size, dim,
-                          (longest + block_size - 1) / block_size * block_size,
-                          static_cast<float>(scale)};
-    decode_attention_impl<T>(a, batch, group);
+  const auto attend_cached = [&](auto* q_tag, auto* cache_tag) {
+    using T = std::remove_pointer_t<decltype(q_tag)>;
+    using C = std::remove_pointer_t<decltype(cache_tag)>;
+    const DecodeArgs<T, C> a{ptr<T>(q), ptr<C>(k_cache), ptr<C>(v_cache), ptr<T>(out),
+                             block_tables.data_ptr<int32_t>(), lengths,
+                             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                             block_tables.size(1), k_cache.size(1), block_size, dim,
+                             (longest + block_size - 1) / block_size * block_size,
+                             static_cast<float>(scale)};
+    decode_attention_impl(a, batch, group);
+  };
+  dispatch(q, "decode_attention", [&](auto* q_tag) {
+    dispatch_cache(k_cache, "decode_attention's cache",
+                   [&](auto* cache_tag) { attend_cached(q_tag, cache_tag); });
   });
 }
 
@@ -1767,8 +1892,9 @@ TORCH_LIBRARY(qpipe_cpu, m) {
         "-> Tensor");
   m.def("weight_only_product(Tensor x, Tensor weight, Tensor scales, Tensor? zeros, "
         "Tensor? bias, int out_features) -> Tensor");
-  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, "
+  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k, Tensor(d!) v, "
         "Tensor slot_mapping) -> ()");
+  m.def("widen_kv(Tensor(a!) out, Tensor x) -> ()");
   m.def("decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, float scale) -> ()");
 }
@@ -1785,5 +1911,6 @@ TORCH_LIBRARY_IMPL(qpipe_cpu, CPU, m) {
   m.impl("weight_only_expand", weight_only_expand);
   m.impl("weight_only_product", weight_only_product);
   m.impl("write_kv", write_kv);
+  m.impl("widen_kv", widen_kv);
   m.impl("decode_attention", decode_attention);
 }

@@ -12,6 +12,9 @@ scattered into their slots first; then
 - multi-token chunks (prefills): fresh prompts attend to their own K/V with a causal mask, those
   of one length batched into one call; chunks after cached context run one by one and gather
   that context from the cache first.
+The cache may hold a narrower dtype than the model computes in (`kv_cache_dtype`): new K/V are
+rounded to it before they are written, and fresh prompts attend to the rounded values too, so a
+prefix-cache hit or a later chunk reads what the first pass used.
 """
 
 from __future__ import annotations
@@ -61,13 +64,10 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     k_cache, v_cache = cache_views(kv_cache)
-    if cpu_kernels.usable(k):
+    if cpu_kernels.usable(k):  # rounds k and v in place to what the cache holds
         cpu_kernels.ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     else:
-        block_size = k_cache.shape[3]
-        slots = meta.slot_mapping
-        k_cache.permute(0, 3, 1, 2).index_put_((slots // block_size, slots % block_size), k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        k, v = _write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = q.new_empty(q.shape)
     group = num_heads // num_kv_heads
 
@@ -81,7 +81,7 @@ def paged_attention(
             meta.decode_block_tables, meta.decode_context_lens, scale,
         )  # fmt: skip
     elif decodes:
-        ctx_k, ctx_v = _gather(k_cache, v_cache, meta.decode_block_tables)
+        ctx_k, ctx_v = _gather(k_cache, v_cache, meta.decode_block_tables, q.dtype)
         q_groups = q[:decodes].reshape(decodes, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(
             q_groups, ctx_k, ctx_v, attn_mask=meta.decode_mask, scale=scale
@@ -100,6 +100,7 @@ def paged_attention(
             total = span.context_start + n
             ks = k_cache[span.block_table].permute(0, 3, 1, 2).flatten(0, 1)[:total]
             vs = v_cache[span.block_table].flatten(0, 1)[:total]
+            ks, vs = _widened(ks, q.dtype), _widened(vs, q.dtype)
             q_pos = torch.arange(span.context_start, total, device=q.device)
             mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(
@@ -115,6 +116,44 @@ def paged_attention(
     return out.view(num_tokens, num_heads * head_dim)
 
 
+def _write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C++ `write_kv` in torch ops (GPU, or CPU without the kernels): writes k and v into
+    their slots and returns them as the cache now holds them, in their own dtype."""
+    stored_k, stored_v = _as_cached(k, k_cache.dtype), _as_cached(v, v_cache.dtype)
+    block_size = k_cache.shape[3]
+    k_cache.permute(0, 3, 1, 2).index_put_((slots // block_size, slots % block_size), stored_k)
+    v_cache.flatten(0, 1).index_put_((slots,), stored_v)  # CPU: no index_copy_ for fp8
+    return stored_k.to(k.dtype), stored_v.to(v.dtype)
+
+
+def _widened(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values gathered from the cache in the compute dtype, widened by the kernels on CPU."""
+    if x.dtype == dtype:
+        return x
+    if not cpu_kernels.serves(x.device, dtype):
+        return x.to(dtype)
+    out = torch.empty(x.shape, dtype=dtype)
+    cpu_kernels.ops.widen_kv(out, x.contiguous())
+    return out
+
+
+def _as_cached(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` rounded to the KV cache's dtype; fp8 saturates at its largest finite value (torch's
+    cast would make NaN of anything beyond it)."""
+    if x.dtype == dtype:
+        return x
+    if dtype.itemsize == 1:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
+
+
 def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's K as [blocks, kv_heads, head_dim, block_size] and V as [blocks, block_size,
     kv_heads, head_dim], both views of its [2, blocks, block_size, kv_heads, head_dim] cache."""
@@ -123,14 +162,14 @@ def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _gather(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[batch, kv_heads, blocks * block_size, head_dim] copies of the K and V blocks listed in
-    `tables`, for SDPA."""
+    `tables` in `dtype`, for SDPA."""
     batch, width = tables.shape
     _, kv_heads, head_dim, block_size = k_cache.shape
     flat = tables.flatten()
     ks = k_cache.index_select(0, flat).view(batch, width, kv_heads, head_dim, block_size)
     ks = ks.permute(0, 2, 1, 4, 3).reshape(batch, kv_heads, width * block_size, head_dim)
     vs = v_cache.index_select(0, flat).view(batch, width * block_size, kv_heads, head_dim)
-    return ks, vs.transpose(1, 2)
+    return _widened(ks, dtype), _widened(vs, dtype).transpose(1, 2)
