@@ -18,6 +18,8 @@ from transformers import AutoConfig
 from qpipe.serve.models.llama import head_dim_of
 
 PROMPT_LEN, OUTPUT_LEN = 128, 64
+# bytes per cached K or V value by throughput.py's kv_cache_dtype (2 for lines without one)
+KV_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
 def weight_bytes(checkpoint: Path) -> int:
@@ -45,7 +47,7 @@ def main() -> None:
     mean_context = PROMPT_LEN + OUTPUT_LEN / 2
     rows = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
     print(
-        f"weights {weights / 1e6:.0f} MB, K/V {kv_per_token / 1e3:.1f} kB per token; "
+        f"weights {weights / 1e6:.0f} MB, K/V {kv_per_token / 1e3:.1f} kB per token in 16 bits; "
         f"floor = (weights + running x {mean_context:.0f} tokens of K/V) / "
         f"{args.bandwidth_tb_s} TB/s\n"
     )
@@ -55,7 +57,8 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (not r["cuda_graphs"], r["concurrency"])):
-        floor = (weights + r["concurrency"] * mean_context * kv_per_token) / (
+        kv_bytes = kv_per_token // 2 * KV_ELEMENT_BYTES.get(r.get("kv_cache_dtype", ""), 2)
+        floor = (weights + r["concurrency"] * mean_context * kv_bytes) / (
             args.bandwidth_tb_s * 1e12
         )
         step = r["decode_step_p50_ms"]

@@ -40,3 +40,11 @@ for c in 32 256; do
     --dtype bfloat16 --concurrency "$c" --json "$out/results-fp8.jsonl"
 done
 $py bench/serve_gpu/report.py "$out/results-fp8.jsonl" /tmp/smollm2-fp8 | tee "$out/table-fp8.md"
+
+# an fp8 KV cache (--kv-cache-dtype fp8) under bf16 compute, at the two loads where decode
+# attention reads the most: Triton widens e4m3 on load
+for c in 64 256; do
+  timeout 60 $py bench/serve_engine/throughput.py /tmp/smollm2-bf16 --device cuda \
+    --dtype bfloat16 --kv-cache-dtype fp8 --concurrency "$c" --json "$out/results-kv-fp8.jsonl"
+done
+$py bench/serve_gpu/report.py "$out/results-kv-fp8.jsonl" /tmp/smollm2-bf16 | tee "$out/table-kv-fp8.md"

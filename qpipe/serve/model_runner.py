@@ -368,12 +368,14 @@ def resolve_kv_cache_dtype(requested: str, dtype: torch.dtype, device: torch.dev
         return dtype
     if requested == "bfloat16":
         return torch.bfloat16
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+    if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        raise ValueError(
-            f"kv_cache_dtype={requested!r}: Triton reads fp8 from compute capability 8.9 (Ada, "
-            f"Hopper) on; this GPU is {major}.{minor}. Use --kv-cache-dtype auto or bfloat16"
-        )
+        if (major, minor) < (8, 9):
+            raise ValueError(
+                f"kv_cache_dtype={requested!r}: Triton reads fp8 from compute capability 8.9 "
+                f"(Ada, Hopper) on; this GPU is {major}.{minor}. Use --kv-cache-dtype auto or "
+                "bfloat16"
+            )
     return torch.float8_e4m3fn
 
 
