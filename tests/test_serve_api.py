@@ -766,6 +766,9 @@ def test_metrics_after_traffic(tiny_server: RunningServer) -> None:
         assert metric(after, f"qpipe:{gauge}") == 0
     assert metric(after, "qpipe:num_preemptions_total") >= 0
     assert f"qpipe:num_preemptions_total{{model_name={MODEL}}}" in after
+    blocks = tiny_server.engine.model_runner.num_kv_blocks
+    config = {"block_size": "16", "cache_dtype": "float32", "num_gpu_blocks": str(blocks)}
+    assert metric(after, "qpipe:cache_config_info", enable_prefix_caching="True", **config) == 1
 
 
 def test_queue_full_gets_503_with_retry_after(tiny_llama_checkpoint: Path) -> None:

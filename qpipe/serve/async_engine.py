@@ -191,6 +191,13 @@ class AsyncLLMEngine:
     def _main(self, make_engine: Callable[[], LLMEngine], built: threading.Event) -> None:
         try:
             self.engine = make_engine()
+            runner = self.engine.model_runner
+            self.metrics.describe_cache(
+                runner.block_size,
+                str(runner.kv_cache_dtype).removeprefix("torch."),
+                runner.num_kv_blocks,
+                runner.config.enable_prefix_caching,
+            )
         except BaseException as exc:  # noqa: BLE001 - handed to the constructor's caller
             self.error = exc
             return

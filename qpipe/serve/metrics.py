@@ -68,6 +68,25 @@ class ServerMetrics:
         self._model_name = model_name
         self._last_cumulative: dict[str, float] = {}
 
+    def describe_cache(
+        self, block_size: int, cache_dtype: str, num_blocks: int, enable_prefix_caching: bool
+    ) -> None:
+        """vLLM's cache_config_info: a gauge of 1 whose labels say what the KV cache is, so a
+        dashboard can turn kv_cache_usage_perc into tokens. `num_gpu_blocks` is vLLM's label
+        name, kept on CPU too."""
+        info = {
+            "block_size": str(block_size),
+            "cache_dtype": cache_dtype,
+            "num_gpu_blocks": str(num_blocks),
+            "enable_prefix_caching": str(enable_prefix_caching),
+        }
+        Gauge(
+            "qpipe:cache_config_info",
+            "What the KV cache is: block size, dtype, blocks, prefix caching.",
+            ["model_name", *info],
+            registry=self.registry,
+        ).labels(self._model_name, *info.values()).set(1)
+
     def request_finished(self, finish_reason: str) -> None:
         self._request_success.labels(self._model_name, finish_reason).inc()
 
