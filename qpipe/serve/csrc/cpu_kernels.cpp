@@ -1680,7 +1680,7 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& k, at::Tenso
 
 // out = x widened from a cache's element type (bf16 or e4m3) to out's (float or bf16): the context
 // that a prefill chunk or a prefix-cache hit gathers for SDPA. torch casts fp8 one element at a
-// time (2-2.5 ns each here), this ~30x faster.
+// time (2-2.5 ns each here): 1.5 s of a 1024-token-prompt run against 0.09 s here.
 void widen_kv(at::Tensor& out, const at::Tensor& x) {
   TORCH_CHECK(out.is_contiguous() && x.is_contiguous() && out.numel() == x.numel(),
               "out and x must be contiguous and hold as many values");
@@ -1716,7 +1716,7 @@ void widen_kv(at::Tensor& out, const at::Tensor& x) {
 
 constexpr int64_t kMaxHeadsPerPass = 4;  // query heads sharing one pass over K and V
 
-// T: the dtype of q and out; C: the cache's (T, bf16 or e4m3).
+// T: the dtype of q and out; C: the cache's (float, bf16 or e4m3).
 template <typename T, typename C>
 struct DecodeArgs {
   const T* q;
