@@ -443,24 +443,34 @@ def test_float16_on_cpu_is_served_with_a_warning(caplog: pytest.LogCaptureFixtur
 
 
 @pytest.mark.parametrize(
-    ("kv_cache_dtype", "stored", "narrower", "agreement"),
-    [("bfloat16", torch.bfloat16, 2, 0.98), ("fp8", torch.float8_e4m3fn, 4, 0.95)],
+    ("kv_cache_dtype", "stored", "narrower", "agreement", "kernels"),
+    [
+        ("bfloat16", torch.bfloat16, 2, 0.98, True),
+        ("fp8", torch.float8_e4m3fn, 4, 0.95, True),
+        ("fp8", torch.float8_e4m3fn, 4, 0.95, False),  # torch ops only: the GPU's write path
+    ],
 )
 def test_a_narrower_kv_cache_holds_more_tokens_and_still_tracks_transformers(
     engine: LLMEngine,
     smollm2_checkpoint: Path,
+    monkeypatch: pytest.MonkeyPatch,
     kv_cache_dtype: str,
     stored: torch.dtype,
     narrower: int,
     agreement: float,
+    kernels: bool,
 ) -> None:
     """fp32 compute over a bf16 or fp8 KV cache of the same size in bytes: 2x or 4x the blocks.
     Greedy tokens against transformers' fp64 logits, teacher-forced; a prefix-cache hit reads
     the rounded values the miss attended to, so it gives the miss's tokens exactly. Measured here
     on 5 prompts x 48 tokens: the bf16 cache gave the fp32 cache's 240 tokens, fp8 a top-1
-    agreement of 0.96 (fp32: 1.0), no token below second place; on these 72, 1.0 and 0.986."""
+    agreement of 0.96 (fp32: 1.0), no token below second place; on these 72, 1.0 and 0.986
+    (0.986 through the torch ops as well)."""
+    if not kernels:
+        monkeypatch.setattr(cpu_kernels, "load", lambda: False)
     narrow = LLMEngine(replace(engine.model_runner.config, kv_cache_dtype=kv_cache_dtype))
     runner = narrow.model_runner
+    assert runner.decode_kernel is kernels
     assert runner.kv_cache.dtype is stored and runner.dtype is torch.float32
     assert runner.block_bytes * narrower == engine.model_runner.block_bytes
     assert runner.num_kv_blocks >= narrower * engine.model_runner.num_kv_blocks
