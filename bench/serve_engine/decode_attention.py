@@ -55,7 +55,8 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         mib = sum(cache.nbytes for cache in caches) / 2**20
         print(
-            f"{str(dtype)[6:]:>8} over {str(cache_dtype)[6:]:>13} ({mib:4.0f} MiB): "
+            f"{str(dtype).removeprefix('torch.'):>8} over "
+            f"{str(cache_dtype).removeprefix('torch.'):>13} ({mib:4.0f} MiB): "
             f"{min(times) * 1e3:5.2f} ms best, {statistics.median(times) * 1e3:5.2f} median"
         )
 

@@ -106,7 +106,7 @@ def main() -> None:
         "model": args.model,
         "device": args.device,
         "dtype": str(engine.model_runner.dtype).removeprefix("torch."),
-        "kv_cache_dtype": str(engine.model_runner.kv_cache_dtype).removeprefix("torch."),
+        "kv_cache_dtype": engine.model_runner.kv_cache_dtype_name,
         "preemptions": engine.stats().num_preemptions,
         "cuda_graphs": engine.model_runner.decode_graphs is not None,
         "concurrency": args.concurrency,

@@ -194,7 +194,7 @@ class AsyncLLMEngine:
             runner = self.engine.model_runner
             self.metrics.describe_cache(
                 runner.block_size,
-                str(runner.kv_cache_dtype).removeprefix("torch."),
+                runner.kv_cache_dtype_name,
                 runner.num_kv_blocks,
                 runner.config.enable_prefix_caching,
             )

@@ -16,6 +16,7 @@ from qpipe.serve.decode_graphs import DecodeGraphs
 from qpipe.serve.host_memory import keep_freed_memory
 from qpipe.serve.layers import cpu_kernels, triton_attention
 from qpipe.serve.layers.attention import AttentionMetadata, PrefillSpan
+from qpipe.serve.layers.linear import FP8_CAPABILITY
 from qpipe.serve.layers.sampler import sample, token_logprobs
 from qpipe.serve.loader import load_model, read_config_json, resolve_dtype
 from qpipe.serve.models.llama import head_dim_of
@@ -104,7 +105,7 @@ class ModelRunner:
         log.info(
             "KV cache: %d blocks of %d tokens in %s (%.2f GiB); max concurrency at max_model_len "
             "%d: %.1f; steps of at most %d tokens",
-            self.num_kv_blocks, self.block_size, str(self.kv_cache_dtype).removeprefix("torch."),
+            self.num_kv_blocks, self.block_size, self.kv_cache_dtype_name,
             self.kv_cache.nbytes / GIB, self.max_model_len, capacity / self.max_model_len,
             config.token_budget,
         )  # fmt: skip
@@ -118,6 +119,11 @@ class ModelRunner:
         on a GPU, run as they are elsewhere."""
         max_blocks = -(-self.max_model_len // self.block_size)
         return DecodeGraphs(self.model, self.kv_cache, max_batch, max_blocks, self.scratch_block)
+
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        """The cache's dtype as logs, /metrics and bench results name it ("float8_e4m3fn")."""
+        return str(self.kv_cache_dtype).removeprefix("torch.")
 
     @property
     def block_bytes(self) -> int:
@@ -370,7 +376,7 @@ def resolve_kv_cache_dtype(requested: str, dtype: torch.dtype, device: torch.dev
         return torch.bfloat16
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) < (8, 9):
+        if (major, minor) < FP8_CAPABILITY:
             raise ValueError(
                 f"kv_cache_dtype={requested!r}: Triton reads fp8 from compute capability 8.9 "
                 f"(Ada, Hopper) on; this GPU is {major}.{minor}. Use --kv-cache-dtype auto or "

@@ -445,6 +445,14 @@ inline V round_to_e4m3(V v) {
   return magnitude > 0x7f800000u ? v : signed_rounded;
 }
 
+// fp8 e4m3's largest finite value, and v rounded to e4m3 with everything beyond it saturated there
+// (what fp8 weights' quantization and an fp8 KV cache store).
+constexpr float kE4m3Max = 448.f;
+template <typename V>
+inline V saturated_e4m3(V v) {
+  return round_to_e4m3(clamp(v, -kE4m3Max, kE4m3Max));
+}
+
 // x rounded through fp8 e4m3 and back per row, in one pass instead of ~10 eager ops, with the
 // eager path's roundings (layers/linear.py `quantize_fp8`, compressed-tensors' rule): the scale
 // is absmax / 448 per row in the model dtype (its epsilon for a row of zeros), or the given
@@ -479,15 +487,14 @@ void fake_quantize_fp8(at::Tensor& out, const at::Tensor& x,
             top = std::max(top, std::fabs(v));
             probe += v - v;
           }
-          s = rnd<T>(top / 448.f);
+          s = rnd<T>(top / kE4m3Max);
           s = s == 0.f ? eps : s;
           // eager's absmax is NaN there: a NaN or inf anywhere makes the whole row NaN
           s = probe != probe ? std::numeric_limits<float>::quiet_NaN() : s;
         }
         for_lanes(n, [&](int64_t i, auto lane) {
           using V = decltype(lane);
-          const V v = clamp(rnd<T>(load<V>(row + i) / s), -448.f, 448.f);
-          st(o + i, round_to_e4m3(v) * s);
+          st(o + i, saturated_e4m3(rnd<T>(load<V>(row + i) / s)) * s);
         });
       }
     });
@@ -1621,7 +1628,7 @@ inline C cached(T& x) {
   if constexpr (std::is_same_v<C, T>) {
     return x;
   } else if constexpr (std::is_same_v<C, e4m3>) {
-    const float r = round_to_e4m3(clamp(ld(&x), -448.f, 448.f));
+    const float r = saturated_e4m3(ld(&x));
     st(&x, r);
     return e4m3_of(r);
   } else {

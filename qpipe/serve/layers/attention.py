@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from qpipe.serve.layers import cpu_kernels, triton_attention
+from qpipe.serve.layers.linear import FP8_MAX
 
 
 @dataclass(frozen=True)
@@ -148,9 +149,8 @@ def _as_cached(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     cast would make NaN of anything beyond it)."""
     if x.dtype == dtype:
         return x
-    if dtype.itemsize == 1:
-        limit = torch.finfo(dtype).max
-        x = x.clamp(-limit, limit)
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-FP8_MAX, FP8_MAX)
     return x.to(dtype)
 
 

@@ -336,6 +336,7 @@ class Int8Linear(LinearBase):
 
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+FP8_CAPABILITY = (8, 9)  # GPUs that compute with fp8 and read it in Triton: Ada (sm89), Hopper on
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,7 +370,7 @@ def fp8_matmul_supported(device: torch.device, out_features: int, in_features: i
     onwards), and the dimensions `torch._scaled_mm` takes (multiples of 16)."""
     return (
         device.type == "cuda"
-        and torch.cuda.get_device_capability(device) >= (8, 9)
+        and torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
         and out_features % 16 == 0
         and in_features % 16 == 0
     )
