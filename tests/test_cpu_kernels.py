@@ -54,12 +54,36 @@ CACHES = [
 ]
 
 
+# (tokens in the cache before the step, queries): decodes at lengths that end before, on and past
+# a block's end, a fresh prompt, and chunks after cached context whose rows end mid-pass
+SEQUENCES = [(0, 1), (14, 1), (15, 1), (16, 1), (69, 1), (160, 1), (0, 37), (45, 13), (100, 61)]
+
+
+def paged_batch(
+    sequences: list[tuple[int, int]],
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    cache_dtype: torch.dtype,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A cache of random K/V in scattered blocks, and each sequence's block table, length and
+    first query row."""  # fmt: skip
+    lengths = torch.tensor([c + n for c, n in sequences], dtype=torch.int32)
+    batch, width = len(sequences), -(-int(lengths.max()) // block_size)
+    num_blocks = batch * width + 3
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width)
+    starts = torch.tensor([0] + [n for _, n in sequences]).cumsum(0)
+    return kv_cache.to(cache_dtype), tables.to(torch.int32), lengths, starts.to(torch.int32)
+
+
 @pytest.mark.parametrize(("dtype", "cache_dtype"), CACHES)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (8, 8, 128, 16), (32, 4, 128, 32), (10, 2, 80, 16), (6, 1, 64, 32)],
 )
-def test_decode_attention_equals_sdpa_over_gathered_cache(
+def test_paged_attention_equals_sdpa_over_gathered_cache(
     dtype: torch.dtype,
     cache_dtype: torch.dtype,
     heads: int,
@@ -67,46 +91,84 @@ def test_decode_attention_equals_sdpa_over_gathered_cache(
     head_dim: int,
     block_size: int,
 ) -> None:
-    """Against SDPA over the cached values widened to fp32: a narrower cache changes what is
-    stored, never how the kernel computes with it (fp8's 2^-8 widening is folded back exactly).
-    randn puts ~1 % of the fp8 values in e4m3's subnormal range (below 2^-6)."""
+    """Decodes and prefill chunks in one call, against causal SDPA over each sequence's cached
+    values widened to fp32: a narrower cache changes what is stored, never how the kernel
+    computes with it (fp8's 2^-8 widening is folded back exactly). randn puts ~1 % of the fp8
+    values in e4m3's subnormal range (below 2^-6)."""
     gen = torch.Generator().manual_seed(heads * head_dim + block_size)
-    lengths = torch.tensor([1, 15, 16, 17, 70, 161], dtype=torch.int32)
-    batch, width = len(lengths), -(-int(lengths.max()) // block_size)
-    num_blocks = batch * width + 3
-    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    kv_cache = kv_cache.to(cache_dtype)
+    kv_cache, tables, lengths, starts = paged_batch(
+        SEQUENCES, kv_heads, head_dim, block_size, cache_dtype, gen
+    )
     k_cache, v_cache = cache_views(kv_cache)
-    tables = torch.randperm(num_blocks, generator=gen)[: batch * width].view(batch, width)
-    tables = tables.to(torch.int32)
-    q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(int(starts[-1]), heads, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
 
     out = torch.full_like(q, float("nan"))
-    cpu_kernels.ops.decode_attention(out, q, k_cache, v_cache, tables, lengths, scale)
+    cpu_kernels.ops.paged_attention(out, q, k_cache, v_cache, tables, lengths, starts, scale)
 
     ks, vs = _gather(k_cache, v_cache, tables, torch.float32)
-    beyond = torch.arange(width * block_size)[None, :] >= lengths[:, None]
-    mask = torch.zeros(beyond.shape).masked_fill_(beyond, float("-inf"))[:, None, None, :]
-    group = heads // kv_heads
-    expected = F.scaled_dot_product_attention(
-        q.float().view(batch, kv_heads, group, head_dim), ks.float(), vs.float(),
-        attn_mask=mask, scale=scale,
-    ).reshape(batch, heads, head_dim)  # fmt: skip
-    close(out, expected, dtype)
+    for s, (context, n) in enumerate(SEQUENCES):
+        rows = slice(int(starts[s]), int(starts[s + 1]))
+        keys = torch.arange(ks.shape[2])
+        sees = keys[None, :] <= torch.arange(context, context + n)[:, None]
+        expected = F.scaled_dot_product_attention(
+            q[rows].float().transpose(0, 1), ks[s], vs[s], attn_mask=sees, scale=scale,
+            enable_gqa=True,
+        ).transpose(0, 1)  # fmt: skip
+        close(out[rows], expected, dtype)
 
 
-def test_decode_attention_rejects_a_head_size_off_the_vector_width() -> None:
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 2), (4, 4), (12, 1)])
+def test_a_tokens_attention_does_not_depend_on_how_its_step_was_chunked(
+    heads: int, kv_heads: int
+) -> None:
+    """Every row of a prefill chunk, run again as a lone decode at its position, gives the same
+    bits: so a prefix-cache hit, a chunk boundary, or a preempted sequence's recompute attends
+    exactly as one pass over the prompt did. The rows of a chunk go through the kernel in passes
+    of several positions, the decode in a pass of its own."""
+    gen = torch.Generator().manual_seed(heads)
+    sequences = [(45, 29), (0, 50)]
+    kv_cache, tables, lengths, starts = paged_batch(sequences, kv_heads, 64, 16, torch.float32, gen)
+    k_cache, v_cache = cache_views(kv_cache)
+    q = torch.randn(int(starts[-1]), heads, 64, generator=gen)
+    chunked = torch.empty_like(q)
+    cpu_kernels.ops.paged_attention(chunked, q, k_cache, v_cache, tables, lengths, starts, 0.125)
+
+    alone = torch.empty_like(q)
+    for s, (context, n) in enumerate(sequences):
+        for i in range(n):
+            row = int(starts[s]) + i
+            cpu_kernels.ops.paged_attention(
+                alone[row : row + 1], q[row : row + 1], k_cache, v_cache, tables[s : s + 1],
+                torch.tensor([context + i + 1], dtype=torch.int32), None, 0.125,
+            )  # fmt: skip
+    assert torch.equal(chunked, alone)
+
+
+def test_paged_attention_rejects_what_it_cannot_read() -> None:
     k_cache = torch.zeros(2, 2, 24, 16)
     q = torch.zeros(1, 2, 24)
+    one_block = torch.zeros(1, 1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="multiples of 16"):
-        cpu_kernels.ops.decode_attention(
-            q.clone(), q, k_cache, k_cache.clone(), torch.zeros(1, 1, dtype=torch.int32),
-            torch.ones(1, dtype=torch.int32), 1.0,
+        cpu_kernels.ops.paged_attention(
+            q.clone(), q, k_cache, k_cache.clone(), one_block, torch.ones(1, dtype=torch.int32),
+            None, 1.0,
         )  # fmt: skip
-    assert not cpu_kernels.decode_attention_fits(24, 16)
-    assert not cpu_kernels.decode_attention_fits(64, 8)
-    assert cpu_kernels.decode_attention_fits(80, 32)
+    k_cache = torch.zeros(2, 2, 64, 16)
+    q = torch.zeros(3, 2, 64)
+    with pytest.raises(RuntimeError, match="sequence 0 has 3 queries but 2 tokens"):
+        cpu_kernels.ops.paged_attention(
+            q.clone(), q, k_cache, k_cache.clone(), one_block,
+            torch.tensor([2], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), 1.0,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="narrower than the longest sequence"):
+        cpu_kernels.ops.paged_attention(
+            q.clone(), q, k_cache, k_cache.clone(), one_block,
+            torch.tensor([17], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32), 1.0,
+        )  # fmt: skip
+    assert not cpu_kernels.attention_fits(24, 16)
+    assert not cpu_kernels.attention_fits(64, 8)
+    assert cpu_kernels.attention_fits(80, 32)
 
 
 # Widths that are and are not a multiple of the kernels' 16-float vectors (their scalar tails).
@@ -196,7 +258,7 @@ def test_engine_gives_the_same_tokens_with_and_without_kernels(
         outputs = engine.generate([engine.tokenizer(p).input_ids for p in prompts], params)
         stats = engine.stats()
         assert stats.num_free_blocks == stats.num_total_blocks
-        return outputs, engine.model_runner.decode_kernel
+        return outputs, engine.model_runner.attention_kernel
 
     with_kernels, used = run()
     assert used

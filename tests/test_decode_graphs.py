@@ -57,8 +57,8 @@ def test_static_decode_equals_the_eager_step(smollm2_checkpoint: Path) -> None:
     eager = LLMEngine(config)
     padded = LLMEngine(config)
     runner = padded.model_runner
-    if not runner.decode_kernel:
-        pytest.skip("the paged decode kernel did not build here")
+    if not runner.attention_kernel:
+        pytest.skip("the paged attention kernel did not build here")
     graphs = runner.static_decode(max_batch=6)  # buckets 1, 2, 4, 6
     runner.decode_graphs = graphs
     batches: list[int] = []
@@ -101,8 +101,8 @@ def test_one_token_prompt_chunks_in_a_static_step_score_their_prompt_logprobs(
         )  # fmt: skip
         runner = engine.model_runner
         if static:
-            if not runner.decode_kernel:
-                pytest.skip("the paged decode kernel did not build here")
+            if not runner.attention_kernel:
+                pytest.skip("the paged attention kernel did not build here")
             runner.decode_graphs = runner.static_decode(max_batch=4)
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         for i, text in enumerate(PROMPTS[:2]):

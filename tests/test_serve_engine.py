@@ -98,28 +98,46 @@ def test_greedy_matches_transformers_while_other_requests_share_the_batch(
     assert len(tokens["noise-0"]) == len(tokens["noise-1"]) == 20
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 def test_fresh_prompts_of_one_length_attend_in_one_call_and_match_transformers(
-    engine: LLMEngine, hf_model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+    engine: LLMEngine, hf_model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, kernel: bool
 ) -> None:
+    """On CPU the paged kernel runs every query of a step in one call, through block tables; the
+    SDPA path (GPU, no compiler) batches fresh prompts of one length into one call instead."""
     text = encode(
         engine,
         "Rivers carve valleys over millions of years, and the sediment they carry builds wide, "
         "fertile deltas where they finally meet the sea.",
     )
     assert len(text) >= 27
-    prompts = [text[i : i + 20] for i in (0, 3, 7)] + [text[:13]]  # three of 20 tokens, one of 13
+    # three of 20 tokens, one of 13; each run its own, so that neither hits the other's prefixes
+    first = 0 if kernel else 1
+    prompts = [text[first + i : first + i + 20] for i in (0, 3, 6)] + [text[first : first + 13]]
     runner = engine.model_runner
+    if not kernel:
+        monkeypatch.setattr(runner, "attention_kernel", False)
+    elif not runner.attention_kernel:
+        pytest.skip("the paged attention kernel did not build here")
     prepare = runner._prepare
     spans: list[tuple[int, int, int]] = []
+    kernel_rows: list[list[int]] = []
 
     def recording(*args: object) -> object:
         prepared = prepare(*args)
-        spans.extend((s.num_seqs, s.num_tokens, s.context_start) for s in prepared[2].prefills)
+        meta = prepared[2]
+        spans.extend((s.num_seqs, s.num_tokens, s.context_start) for s in meta.prefills)
+        if meta.query_starts is not None:
+            kernel_rows.append(meta.query_starts.tolist())
         return prepared
 
     monkeypatch.setattr(runner, "_prepare", recording)
     outputs = engine.generate(prompts, GREEDY)
-    assert sorted(spans) == [(1, 13, 0), (3, 20, 0)]
+    if kernel:
+        assert spans == []
+        assert kernel_rows[0] == [0, 13, 33, 53, 73]  # the step's prompts, shortest first
+    else:
+        assert sorted(spans) == [(1, 13, 0), (3, 20, 0)]
+        assert kernel_rows == []
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output == hf_greedy(hf_model, prompt, GREEDY.max_tokens)
 
@@ -470,7 +488,7 @@ def test_a_narrower_kv_cache_holds_more_tokens_and_still_tracks_transformers(
         monkeypatch.setattr(cpu_kernels, "load", lambda: False)
     narrow = LLMEngine(replace(engine.model_runner.config, kv_cache_dtype=kv_cache_dtype))
     runner = narrow.model_runner
-    assert runner.decode_kernel is kernels
+    assert runner.attention_kernel is kernels
     assert runner.kv_cache.dtype is stored and runner.dtype is torch.float32
     assert runner.block_bytes * narrower == engine.model_runner.block_bytes
     assert runner.num_kv_blocks >= narrower * engine.model_runner.num_kv_blocks

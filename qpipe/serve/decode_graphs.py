@@ -114,8 +114,9 @@ class DecodeGraphs:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket],
             num_decode_tokens=bucket,
-            decode_block_tables=self.block_tables[:bucket],
-            decode_context_lens=self.context_lens[:bucket],
+            block_tables=self.block_tables[:bucket],
+            seq_lens=self.context_lens[:bucket],
+            query_starts=None,
             decode_mask=None,
             prefills=(),
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -79,13 +80,14 @@ class ModelRunner:
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = hf.num_key_value_heads
         self.head_dim = head_dim_of(hf)
+        # a paged attention kernel: Triton's runs the decodes on GPU, the C++ one every query on CPU
         if self.device.type == "cuda":
-            self.decode_kernel = triton_attention.available() and triton_attention.fits(
+            self.attention_kernel = triton_attention.available() and triton_attention.fits(
                 self.head_dim, self.block_size
             )
         else:
-            self.decode_kernel = cpu_kernels.serves(self.device, self.dtype) and (
-                cpu_kernels.decode_attention_fits(self.head_dim, self.block_size)
+            self.attention_kernel = cpu_kernels.serves(self.device, self.dtype) and (
+                cpu_kernels.attention_fits(self.head_dim, self.block_size)
             )
         self.num_kv_blocks = self._count_kv_blocks(max_len)
         capacity = self.num_kv_blocks * self.block_size
@@ -110,7 +112,7 @@ class ModelRunner:
             config.token_budget,
         )  # fmt: skip
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and self.decode_kernel and not config.enforce_eager:
+        if self.device.type == "cuda" and self.attention_kernel and not config.enforce_eager:
             self.decode_graphs = self.static_decode(min(config.max_num_seqs, 512))
             self.decode_graphs.capture()
 
@@ -174,8 +176,9 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.arange(tokens, device=self.device),
             num_decode_tokens=0,
-            decode_block_tables=None,
-            decode_context_lens=None,
+            block_tables=None,
+            seq_lens=None,
+            query_starts=None,
             decode_mask=None,
             prefills=spans,
         )
@@ -217,7 +220,7 @@ class ModelRunner:
         if not prefills and graphs is not None and graphs.fits(len(decodes), rows.width):
             logits = graphs.run(
                 torch.tensor(rows.ids), torch.tensor(rows.positions), torch.tensor(rows.slots),
-                torch.tensor(rows.padded_tables(), dtype=torch.int32),
+                torch.tensor(padded_tables(rows.tables), dtype=torch.int32),
                 torch.tensor(rows.context_lens, dtype=torch.int32),
             )  # fmt: skip
             # a decode-only step: row i is item i, and a 1-token prefill chunk may score a prompt
@@ -271,41 +274,51 @@ class ModelRunner:
     def _prepare(
         self, rows: DecodeRows, prefills: list[ScheduledSeq]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat inputs of a mixed step: the decode rows first, then each prefill chunk (runs of
-        fresh prompts of one length as one span)."""
+        """Flat inputs of a mixed step: the decode rows first, then each prefill chunk. The CPU
+        kernel reads every chunk through its block table too; for SDPA, runs of fresh prompts of
+        one length become one span."""
         bs = self.block_size
         ids, pos, slots = list(rows.ids), list(rows.positions), list(rows.slots)
-        spans = []
+        in_kernel = self.attention_kernel and self.device.type == "cpu"
+        tables, seq_lens = list(rows.tables), list(rows.context_lens)
+        spans: list[PrefillSpan] = []
         for item in prefills:
             seq, start, n = item.seq, item.start, item.num_new_tokens
+            covering = seq.block_table[: -(-(start + n) // bs)]
             last = spans[-1] if spans else None
-            if start == 0 and last and last.context_start == 0 and last.num_tokens == n:
+            if in_kernel:
+                tables.append(covering)
+                seq_lens.append(start + n)
+            elif start == 0 and last and last.context_start == 0 and last.num_tokens == n:
                 spans[-1] = replace(last, num_seqs=last.num_seqs + 1)
             elif start == 0:
                 spans.append(PrefillSpan(len(ids), n, 0, None))
             else:
-                covering = seq.block_table[: -(-(start + n) // bs)]
-                spans.append(
-                    PrefillSpan(len(ids), n, start, torch.tensor(covering, device=self.device))
-                )
+                table = torch.tensor(covering, device=self.device)
+                spans.append(PrefillSpan(len(ids), n, start, table))
             ids.extend(seq.token_ids[start : start + n])
             pos.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-        tables = context = mask = None
-        if rows.ids:
-            tables = torch.tensor(rows.padded_tables(), dtype=torch.int32, device=self.device)
-            context = torch.tensor(rows.context_lens, dtype=torch.int32, device=self.device)
-            if not self.decode_kernel:
-                offsets = torch.arange(rows.width * bs, device=self.device)
-                beyond = offsets[None, :] >= context[:, None]
-                mask = torch.zeros(beyond.shape, dtype=self.dtype, device=self.device)
-                mask = mask.masked_fill_(beyond, float("-inf"))[:, None, None, :]
+            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
+        block_tables = lens = query_starts = mask = None
+        if tables:
+            block_tables = torch.tensor(
+                padded_tables(tables), dtype=torch.int32, device=self.device
+            )
+            lens = torch.tensor(seq_lens, dtype=torch.int32, device=self.device)
+        if in_kernel:
+            counts = [1] * len(rows.ids) + [item.num_new_tokens for item in prefills]
+            query_starts = torch.tensor(list(accumulate(counts, initial=0)), dtype=torch.int32)
+        elif lens is not None and not self.attention_kernel:
+            offsets = torch.arange(rows.width * bs, device=self.device)
+            beyond = offsets[None, :] >= lens[:, None]
+            mask = torch.zeros(beyond.shape, dtype=self.dtype, device=self.device)
+            mask = mask.masked_fill_(beyond, float("-inf"))[:, None, None, :]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=self.device),
             num_decode_tokens=len(rows.ids),
-            decode_block_tables=tables,
-            decode_context_lens=context,
+            block_tables=block_tables,
+            seq_lens=lens,
+            query_starts=query_starts,
             decode_mask=mask,
             prefills=tuple(spans),
         )
@@ -357,10 +370,11 @@ class DecodeRows:
     def width(self) -> int:
         return max((len(t) for t in self.tables), default=0)
 
-    def padded_tables(self) -> list[list[int]]:
-        """Block tables padded with block 0 to one width; nothing reads past a row's length."""
-        width = self.width
-        return [t + [0] * (width - len(t)) for t in self.tables]
+
+def padded_tables(tables: list[list[int]]) -> list[list[int]]:
+    """Block tables padded with block 0 to one width; nothing reads past a row's length."""
+    width = max((len(t) for t in tables), default=0)
+    return [t + [0] * (width - len(t)) for t in tables]
 
 
 def resolve_kv_cache_dtype(requested: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -1,17 +1,21 @@
-"""Attention over the paged KV cache: paged kernels for decodes (C++ on CPU, Triton on GPU), torch
-SDPA elsewhere.
+"""Attention over the paged KV cache: a paged kernel (C++ on CPU, Triton on GPU) where one is
+built, torch SDPA elsewhere.
 
 One layer's cache is one `[2, num_blocks, block_size, kv_heads, head_dim]` allocation; a V block
 is read as `[block_size, kv_heads, head_dim]`, a K block as `[kv_heads, head_dim, block_size]`
-(token-minor, so the decode kernel's q.K over a block needs no horizontal sums). New K/V are
-scattered into their slots first; then
-- all single-token queries (decodes) run as one batch: the kernel reads their K/V where it lies
-  through the block tables; without one (no compiler, no Triton) one SDPA call over a padded
-  `[batch, kv_heads, context, head_dim]` gather with a length mask, where the query heads of a KV
-  group ride as the query-length axis, so GQA needs no repeated K/V;
-- multi-token chunks (prefills): fresh prompts attend to their own K/V with a causal mask, those
-  of one length batched into one call; chunks after cached context run one by one and gather
-  that context from the cache first.
+(token-minor, so a kernel's q.K over a block needs no horizontal sums). New K/V are scattered
+into their slots first; then
+- on CPU, the C++ kernel runs every query of the step in one call, decodes and prefill chunks
+  alike, reading K/V where they lie through the block tables: a chunk after cached context needs
+  no gathered copy of it and no mask, and its threads are dealt equal shares of the work;
+- on GPU, the Triton kernel runs the single-token queries (decodes) as one batch, and multi-token
+  chunks (prefills) run through SDPA: fresh prompts attend to their own K/V with a causal mask,
+  those of one length batched into one call; chunks after cached context run one by one and
+  gather that context from the cache first;
+- without a kernel (no compiler, no Triton, a head size it cannot take), decodes run as one SDPA
+  call over a padded `[batch, kv_heads, context, head_dim]` gather with a length mask, where the
+  query heads of a KV group ride as the query-length axis, so GQA needs no repeated K/V, and
+  prefills as on GPU.
 The cache may hold a narrower dtype than the model computes in (`kv_cache_dtype`): new K/V are
 rounded to it before they are written, and fresh prompts attend to the rounded values too, so a
 prefix-cache hit or a later chunk reads what the first pass used.
@@ -43,13 +47,18 @@ class PrefillSpan:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
+    """What the paged kernel reads (`block_tables`, `seq_lens`, `query_starts`) covers the
+    sequences it runs: every one of the step on CPU, the decodes on GPU and without a kernel."""
+
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
     num_decode_tokens: int  # the first tokens of the batch are single-token queries
-    decode_block_tables: torch.Tensor | None  # [decodes, max_blocks] int32, padded with block 0
-    decode_context_lens: torch.Tensor | None  # [decodes] int32, the new token included
+    block_tables: torch.Tensor | None  # [seqs, max_blocks] int32, padded with block 0
+    seq_lens: torch.Tensor | None  # [seqs] int32: tokens in the cache, this step's included
+    # [seqs + 1] int32: each sequence's rows of the batch; None: one row each (decodes only)
+    query_starts: torch.Tensor | None
     # [decodes, 1, 1, max_blocks * block_size], 0 or -inf; only for the SDPA path
     decode_mask: torch.Tensor | None
-    prefills: tuple[PrefillSpan, ...]
+    prefills: tuple[PrefillSpan, ...]  # chunks that the kernel does not run
 
 
 def paged_attention(
@@ -73,16 +82,19 @@ def paged_attention(
     group = num_heads // num_kv_heads
 
     decodes = meta.num_decode_tokens
-    if decodes and meta.decode_mask is None:
-        kernel = (
-            triton_attention.decode_attention if q.is_cuda else cpu_kernels.ops.decode_attention
-        )
-        kernel(
-            out[:decodes], q[:decodes], k_cache, v_cache,
-            meta.decode_block_tables, meta.decode_context_lens, scale,
-        )  # fmt: skip
+    if meta.seq_lens is not None and meta.decode_mask is None:
+        if q.is_cuda:
+            triton_attention.decode_attention(
+                out[:decodes], q[:decodes], k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                scale,
+            )  # fmt: skip
+        else:
+            cpu_kernels.ops.paged_attention(
+                out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_starts,
+                scale,
+            )  # fmt: skip
     elif decodes:
-        ctx_k, ctx_v = _gather(k_cache, v_cache, meta.decode_block_tables, q.dtype)
+        ctx_k, ctx_v = _gather(k_cache, v_cache, meta.block_tables, q.dtype)
         q_groups = q[:decodes].reshape(decodes, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(
             q_groups, ctx_k, ctx_v, attn_mask=meta.decode_mask, scale=scale

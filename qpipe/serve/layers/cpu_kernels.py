@@ -178,8 +178,8 @@ def _grouped_tiles(weight: torch.Tensor, group: int) -> torch.Tensor:
     return grouped.permute(0, 2, 1, 3).reshape(grouped.shape[0], -1, group * TILE)
 
 
-def decode_attention_fits(head_dim: int, block_size: int) -> bool:
-    """The decode kernel works in vectors of 16 floats (8 on AVX2) along heads and blocks."""
+def attention_fits(head_dim: int, block_size: int) -> bool:
+    """The attention kernel works in vectors of 16 floats (8 on AVX2) along heads and blocks."""
     return head_dim % 16 == 0 and head_dim <= 256 and block_size % 16 == 0
 
 
