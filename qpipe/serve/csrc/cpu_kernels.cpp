@@ -1719,7 +1719,7 @@ void widen_kv(at::Tensor& out, const at::Tensor& x) {
 // kv_heads, head_dim]. Sequence s's queries are the rows query_starts[s] .. query_starts[s+1]-1
 // of q, the last of them at position seq_lens[s]-1: a decode is one row, a prefill chunk many,
 // each seeing the keys up to its own position. torch's CPU flash attention ran SmolLM2's prefills
-// at 40-70 GFLOP/s here (causal half counted), and a chunk after cached context needed that
+// at 30-70 GFLOP/s here (causal half counted), and a chunk after cached context needed that
 // context gathered out of the cache and a mask. head_dim and block_size are multiples of 16
 // (the Python side checks). Multiply-adds may fuse here (FMA): attention's summation order
 // differs from SDPA's anyway, and the fused form is both faster and closer to the exact result.
