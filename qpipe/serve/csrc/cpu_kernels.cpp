@@ -1876,7 +1876,7 @@ struct AttentionItem {
 // The step's items in order (sequence, positions, KV head), cut into one contiguous range per
 // thread of about equal cost: parallel_for's equal counts would hand one thread a chunk's early,
 // short units and the other its long ones. Ranges keep a sequence's heads together, which read
-// neighbouring lines of the same V rows (dealing items out one by one cost 20-50 % of a decode
+// neighbouring lines of the same V rows (dealing items out one by one cost 20-60 % of a decode
 // step here).
 template <typename T, typename C>
 void paged_attention_impl(const AttentionArgs<T, C>& a, int64_t seqs, int64_t group) {
