@@ -79,6 +79,23 @@ inline vfloat loadv(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+
+// a * b + c rounded once, written out: `#pragma GCC optimize("fp-contract=fast")` does not reach
+// lambdas, so a function of that region inlined into one (GCC 12) lost its fused multiply-adds and
+// gave other bits than its out-of-line copies.
+inline vfloat fmadd(vfloat a, vfloat b, vfloat c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vfloat>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
+                                                  reinterpret_cast<__m512>(b),
+                                                  reinterpret_cast<__m512>(c)));
+#elif defined(__FMA__)
+  return reinterpret_cast<vfloat>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
+                                                  reinterpret_cast<__m256>(b),
+                                                  reinterpret_cast<__m256>(c)));
+#else
+  return a * b + c;
+#endif
+}
 // bf16 bits to floats. GCC splits the generic widening into four instructions; AVX-512 has one.
 inline vfloat widen(vbits16 h) {
 #if defined(__AVX512F__)
@@ -1721,10 +1738,8 @@ void widen_kv(at::Tensor& out, const at::Tensor& x) {
 // each seeing the keys up to its own position. torch's CPU flash attention ran SmolLM2's prefills
 // at 30-70 GFLOP/s here (causal half counted), and a chunk after cached context needed that
 // context gathered out of the cache and a mask. head_dim and block_size are multiples of 16
-// (the Python side checks). Multiply-adds may fuse here (FMA): attention's summation order
+// (the Python side checks). The multiply-adds are fused (`fmadd`): attention's summation order
 // differs from SDPA's anyway, and the fused form is both faster and closer to the exact result.
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=fast")
 
 constexpr int64_t kMaxHeadsPerPass = 4;  // query heads sharing one pass over K and V
 // Query rows (positions x heads) sharing one pass: one score accumulator and one running max
@@ -1791,7 +1806,7 @@ void attend(const AttentionArgs<T, C>& a, int64_t s, int64_t kvh, int64_t first_
       vfloat sc[R] = {};
       for (int64_t d = 0; d < dim; ++d) {
         const vfloat k = loadv(kt + d * bs + c);
-        for (int r = 0; r < R; ++r) sc[r] += qf[r * dim + d] * k;
+        for (int r = 0; r < R; ++r) sc[r] = fmadd(vfloat{} + qf[r * dim + d], k, sc[r]);
       }
       const int64_t first = j * bs + c;
       for (int p = 0; p < NP; ++p) {
@@ -1810,13 +1825,18 @@ void attend(const AttentionArgs<T, C>& a, int64_t s, int64_t kvh, int64_t first_
     for (int64_t l = 1; l < kLanes; ++l) m = std::max(m, top[r][l]);
     float* sr = scores + r * a.padded;
     const int64_t n = len[r / NG];
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < n; ++t) {
-      sr[t] = fast_exp(sr[t] - m);
-      total += sr[t];
+    // whole vectors (the rows are padded to blocks), so that no compiler choice of peeling or
+    // unrolling orders the sum: a row's weights are the same bits in every pass
+    vfloat sums{};
+    for (int64_t t = 0; t < n; t += kLanes) {
+      const vfloat e = fast_exp(loadv(sr + t) - m);
+      const vfloat kept = lane < static_cast<float>(n - t) ? e : vfloat{};
+      st(sr + t, kept);
+      sums += kept;
     }
     std::fill(sr + n, sr + span, 0.f);
+    float total = 0.f;
+    for (int64_t l = 0; l < kLanes; ++l) total += sums[l];
     inv[r] = kUnscale<C> / total;
   }
   // one vector of output lanes at a time over the whole context: R accumulators, and every V
@@ -1828,7 +1848,9 @@ void attend(const AttentionArgs<T, C>& a, int64_t s, int64_t kvh, int64_t first_
       const int64_t first = j * bs, valid = std::min(bs, span - first);
       for (int64_t t = 0; t < valid; ++t) {
         const vfloat v = loadv(vb + t * v_row);
-        for (int r = 0; r < R; ++r) acc[r] += scores[r * a.padded + first + t] * v;
+        for (int r = 0; r < R; ++r) {
+          acc[r] = fmadd(vfloat{} + scores[r * a.padded + first + t], v, acc[r]);
+        }
       }
     }
     for (int p = 0; p < NP && first_row + p <= last; ++p) {
@@ -1909,8 +1931,6 @@ void paged_attention_impl(const AttentionArgs<T, C>& a, int64_t seqs, int64_t gr
     }
   });
 }
-
-#pragma GCC pop_options
 
 // k_cache: [blocks, kv_heads, head_dim, block_size]; v_cache: [blocks, block_size, kv_heads,
 // head_dim], in q's dtype, bf16 or fp8 e4m3; block_tables: [seqs, width] int32; seq_lens: [seqs]
