@@ -83,7 +83,10 @@ def test_compressed_checkpoint_agrees_with_transformers(
     quantization, and SmolLM2's outlier channels (|h| ~ 640) make some flips visible: measured on
     96 tokens, the engine's top-1 agreement with fp64 is W8A8 0.95, FP8_DYNAMIC 0.91, W4A16 1.0;
     transformers' fp32 load's is 0.96, 0.89 and 1.0, and its flips move with the CPU's GEMM
-    kernels (FP8 0.94 for the engine on an AVX-512 CPU, 0.83 on an AVX2 one, against fp32)."""
+    kernels (FP8 0.94 for the engine on an AVX-512 CPU, 0.83 on an AVX2 one, against fp32). The
+    count of flips is noise of that size: on a Zen 3, two engine builds that differ only in the
+    last bits of attention (fused multiply-adds or not) gave W8A8 0.906 and 0.948, FP8 0.938 and
+    0.906 (9 flips, fp64 deficits 0.02-0.48 nats, against transformers' 5 of 0.03-0.41)."""
     checkpoint = compressed_checkpoint(smollm2_checkpoint, scheme)
     engine = LLMEngine(
         EngineConfig(
@@ -108,7 +111,7 @@ def test_compressed_checkpoint_agrees_with_transformers(
     # a flip picks a near-tie, never an unlikely token: every engine token is in fp64's top 3, or
     # no lower than transformers' own picks go (W8A8 on a Zen 4: 4th place, both)
     assert worst_rank(exact, tokens) <= max(2, worst_rank(exact, their_tokens))
-    assert engine_agreement >= their_agreement - 0.03  # 3 flips in 96 tokens
+    assert engine_agreement >= their_agreement - 0.0625  # 6 flips in 96 tokens
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
 
