@@ -1746,6 +1746,12 @@ constexpr int64_t kMaxHeadsPerPass = 4;  // query heads sharing one pass over K 
 // each, in registers next to the K vector (12 + 12 + 3 of AVX-512's 32, 6 + 6 + 3 of AVX2's 16).
 constexpr int kRowsPerPass = kLanes == 16 ? 12 : 6;
 constexpr int positions_per_pass(int heads) { return std::max(1, kRowsPerPass / heads); }
+// Vectors of keys (q.K) and of output lanes (p.V) that each broadcast of a query or weight feeds.
+// AVX2 takes two, 2 x 6 accumulators of its 16 registers: with one, a multiply-add cost a
+// broadcast load besides its own vector load, and the loads bound a 512-token chunk at ~45
+// GFLOP/s, slower than torch's SDPA there (Zen 3). Head sizes and block sizes are multiples of
+// 16, two AVX2 vectors. AVX-512 keeps one (12 rows already fill its registers; measured so).
+constexpr int kVectorsPerPass = kLanes == 16 ? 1 : 2;
 
 // T: the dtype of q and out; C: the cache's (float, bf16 or e4m3).
 template <typename T, typename C>
@@ -1802,19 +1808,26 @@ void attend(const AttentionArgs<T, C>& a, int64_t s, int64_t kvh, int64_t first_
       const C* vn = a.v + table[j + 1] * bs * v_row + kvh * dim;
       for (int64_t t = 0; t < bs; ++t) prefetch_bytes(vn + t * v_row, dim * sizeof(C));
     }
-    for (int64_t c = 0; c < bs; c += kLanes) {
-      vfloat sc[R] = {};
+    for (int64_t c = 0; c < bs; c += kVectorsPerPass * kLanes) {
+      vfloat sc[kVectorsPerPass][R] = {};
       for (int64_t d = 0; d < dim; ++d) {
-        const vfloat k = loadv(kt + d * bs + c);
-        for (int r = 0; r < R; ++r) sc[r] = fmadd(vfloat{} + qf[r * dim + d], k, sc[r]);
+        vfloat k[kVectorsPerPass];
+        for (int u = 0; u < kVectorsPerPass; ++u) k[u] = loadv(kt + d * bs + c + u * kLanes);
+        for (int r = 0; r < R; ++r) {
+          const vfloat qv = vfloat{} + qf[r * dim + d];
+          for (int u = 0; u < kVectorsPerPass; ++u) sc[u][r] = fmadd(qv, k[u], sc[u][r]);
+        }
       }
-      const int64_t first = j * bs + c;
-      for (int p = 0; p < NP; ++p) {
-        for (int g = 0; g < NG; ++g) {
-          const int r = p * NG + g;
-          const vfloat masked = lane < static_cast<float>(len[p] - first) ? sc[r] : minus_inf;
-          std::memcpy(scores + r * a.padded + first, &masked, sizeof masked);
-          top[r] = top[r] > masked ? top[r] : masked;
+      for (int u = 0; u < kVectorsPerPass; ++u) {
+        const int64_t first = j * bs + c + u * kLanes;
+        for (int p = 0; p < NP; ++p) {
+          for (int g = 0; g < NG; ++g) {
+            const int r = p * NG + g;
+            const vfloat masked =
+                lane < static_cast<float>(len[p] - first) ? sc[u][r] : minus_inf;
+            std::memcpy(scores + r * a.padded + first, &masked, sizeof masked);
+            top[r] = top[r] > masked ? top[r] : masked;
+          }
         }
       }
     }
@@ -1839,24 +1852,28 @@ void attend(const AttentionArgs<T, C>& a, int64_t s, int64_t kvh, int64_t first_
     for (int64_t l = 0; l < kLanes; ++l) total += sums[l];
     inv[r] = kUnscale<C> / total;
   }
-  // one vector of output lanes at a time over the whole context: R accumulators, and every V
-  // cache line still read once
-  for (int64_t c = 0; c < dim; c += kLanes) {
-    vfloat acc[R] = {};
+  // kVectorsPerPass vectors of output lanes at a time over the whole context, and every V cache
+  // line still read once
+  for (int64_t c = 0; c < dim; c += kVectorsPerPass * kLanes) {
+    vfloat acc[kVectorsPerPass][R] = {};
     for (int64_t j = 0; j < blocks; ++j) {
       const C* vb = a.v + table[j] * bs * v_row + kvh * dim + c;
       const int64_t first = j * bs, valid = std::min(bs, span - first);
       for (int64_t t = 0; t < valid; ++t) {
-        const vfloat v = loadv(vb + t * v_row);
+        vfloat v[kVectorsPerPass];
+        for (int u = 0; u < kVectorsPerPass; ++u) v[u] = loadv(vb + t * v_row + u * kLanes);
         for (int r = 0; r < R; ++r) {
-          acc[r] = fmadd(vfloat{} + scores[r * a.padded + first + t], v, acc[r]);
+          const vfloat w = vfloat{} + scores[r * a.padded + first + t];
+          for (int u = 0; u < kVectorsPerPass; ++u) acc[u][r] = fmadd(w, v[u], acc[u][r]);
         }
       }
     }
     for (int p = 0; p < NP && first_row + p <= last; ++p) {
       for (int g = 0; g < NG; ++g) {
-        st(a.out + row[p] * a.out_row + (first_head + g) * a.out_head + c,
-           acc[p * NG + g] * inv[p * NG + g]);
+        for (int u = 0; u < kVectorsPerPass; ++u) {
+          st(a.out + row[p] * a.out_row + (first_head + g) * a.out_head + c + u * kLanes,
+             acc[u][p * NG + g] * inv[p * NG + g]);
+        }
       }
     }
   }
