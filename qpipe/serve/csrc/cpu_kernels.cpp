@@ -197,8 +197,8 @@ inline V load(const T* p) {
   }
 }
 
-// body(i, lane) over [0, n): kLanes elements at a time with `lane` a vfloat, then one at a time with
-// `lane` a float; the body reads its type to pick the loads.
+// body(i, lane) over [0, n): kLanes elements at a time with `lane` a vfloat, then one at a time
+// with `lane` a float; the body reads its type to pick the loads.
 template <typename Body>
 inline void for_lanes(int64_t n, Body&& body) {
   int64_t i = 0;
@@ -1886,7 +1886,9 @@ void attend_heads(const AttentionArgs<T, C>& a, int64_t s, int64_t kvh, int64_t 
                   int64_t first_row, float* qf, float* scores) {
   constexpr int NP = positions_per_pass(NG);
   const int64_t end = std::min(first_row + kRowsPerPass, a.last_row(s) + 1);
-  if (end - first_row == 1) return attend<T, C, NG, 1>(a, s, kvh, first_head, first_row, qf, scores);
+  if (end - first_row == 1) {
+    return attend<T, C, NG, 1>(a, s, kvh, first_head, first_row, qf, scores);
+  }
   for (int64_t r = first_row; r < end; r += NP) {
     attend<T, C, NG, NP>(a, s, kvh, first_head, r, qf, scores);
   }
