@@ -1742,15 +1742,15 @@ void widen_kv(at::Tensor& out, const at::Tensor& x) {
 // differs from SDPA's anyway, and the fused form is both faster and closer to the exact result.
 
 constexpr int64_t kMaxHeadsPerPass = 4;  // query heads sharing one pass over K and V
-// Query rows (positions x heads) sharing one pass: one score accumulator and one running max
-// each, in registers next to the K vector (12 + 12 + 3 of AVX-512's 32, 6 + 6 + 3 of AVX2's 16).
+// Query rows (positions x heads) sharing one pass: their score accumulators stay in registers
+// next to the K vectors (AVX-512: 12 + 1 + 1 of 32; AVX2: 2 x 6 + 2 + 1 of 16).
 constexpr int kRowsPerPass = kLanes == 16 ? 12 : 6;
 constexpr int positions_per_pass(int heads) { return std::max(1, kRowsPerPass / heads); }
 // Vectors of keys (q.K) and of output lanes (p.V) that each broadcast of a query or weight feeds.
 // AVX2 takes two, 2 x 6 accumulators of its 16 registers: with one, a multiply-add cost a
 // broadcast load besides its own vector load, and the loads bound a 512-token chunk at ~45
 // GFLOP/s, slower than torch's SDPA there (Zen 3). Head sizes and block sizes are multiples of
-// 16, two AVX2 vectors. AVX-512 keeps one (12 rows already fill its registers; measured so).
+// 16, two AVX2 vectors. AVX-512 keeps one, the form measured on a Zen 4; two are not measured.
 constexpr int kVectorsPerPass = kLanes == 16 ? 1 : 2;
 
 // T: the dtype of q and out; C: the cache's (float, bf16 or e4m3).
