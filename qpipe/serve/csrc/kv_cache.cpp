@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "ops.h"
 #include "fp8.h"
+#include "ops.h"
 #include "tensor_args.h"
 #include "vec.h"
 

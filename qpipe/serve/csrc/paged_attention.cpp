@@ -19,8 +19,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "ops.h"
 #include "fp8.h"
+#include "ops.h"
 #include "tensor_args.h"
 #include "vec.h"
 

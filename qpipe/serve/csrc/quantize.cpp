@@ -1,7 +1,6 @@
 // Quantization steps in one pass per row: W8A8's per-token int8 quantization of activations, a
 // row rounded through fp8 e4m3 and back (FP8 layers' inputs), and the W8A8 epilogue that scales a
 // product's rows.
-#include "ops.h"
 #include "quantize.h"
 
 #include <ATen/Parallel.h>
@@ -14,6 +13,7 @@
 #include <type_traits>
 
 #include "fp8.h"
+#include "ops.h"
 #include "tensor_args.h"
 #include "vec.h"
 

@@ -38,6 +38,7 @@ void with_tile_values(const at::Tensor& weight, Body&& body) {
   }
 }
 
+// A weight-only layer's tiles, scales and zero points agree with each other and with out_features.
 void check_weight_only(const at::Tensor& weight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& zeros, int64_t out_features) {
   const bool nibbles = weight.scalar_type() == at::kByte;
@@ -224,15 +225,15 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-// x @ dequant(w).T + bias by whichever of the forms above suits x. bf16 inputs of more than
-// kBrgemmMinRows rows go to brgemm where it is usable. SmolLM2 W4A16's 120 products per step, ms,
-// through the direct blocks, panels or expansion -> brgemm: on a Sapphire Rapids VM (AMX), 16 /
-// 32 / 64 / 512 rows 24.2 / 34.8 / 69.5 / 100.1 -> 14.8 / 15.8 / 18.1 / 66.4; on a Zen 4
-// (AVX512-BF16), 16 / 32 / 64 / 128 / 512 rows 22.9 / 42.6 / 87.4 / 111.9 / 340.6 -> 20.0 / 29.4 /
-// 46.0 / 79.4 / 287.1; level with bf16 weights on oneDNN on both. fp32 inputs stay on the panels
-// at any row count: measured on a Zen 3 with the weights from DRAM, 1.1-2.6x faster than expand +
-// fp32 GEMM from 33 to 2048 rows (2048 x 576 -> 3072: 54 against 58 ms), and a step that mixes
-// prefill and decode rows no longer expands every weight.
+// x @ dequant(w).T + bias by whichever form suits x (tiles.cpp's, brgemm, expansion + GEMM). bf16
+// inputs of more than kBrgemmMinRows rows go to brgemm where it is usable. SmolLM2 W4A16's 120
+// products per step, ms, through the direct blocks, panels or expansion -> brgemm: on a Sapphire
+// Rapids VM (AMX), 16 / 32 / 64 / 512 rows 24.2 / 34.8 / 69.5 / 100.1 -> 14.8 / 15.8 / 18.1 / 66.4;
+// on a Zen 4 (AVX512-BF16), 16 / 32 / 64 / 128 / 512 rows 22.9 / 42.6 / 87.4 / 111.9 / 340.6 ->
+// 20.0 / 29.4 / 46.0 / 79.4 / 287.1; level with bf16 weights on oneDNN on both. fp32 inputs stay on
+// the panels at any row count: measured on a Zen 3 with the weights from DRAM, 1.1-2.6x faster than
+// expand + fp32 GEMM from 33 to 2048 rows (2048 x 576 -> 3072: 54 against 58 ms), and a step that
+// mixes prefill and decode rows no longer expands every weight.
 at::Tensor weight_only_product(const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                                const c10::optional<at::Tensor>& bias, int64_t out_features) {
