@@ -232,9 +232,9 @@ void fp32_tiles_product(float* o, const float* xs, int64_t rows, int64_t k, int6
 
 // The products the layers ask for: weight-only tiles (int8, int4 pairs) and dense bf16 tiles with
 // a bias of the output's dtype, W8A8's int8 values with an fp32 bias.
-#define QPIPE_TILES_PRODUCT(T, B, Q)                                                          \
-  template void tiles_product<T, B, Q>(T*, const float*, int64_t, int64_t, int64_t, int64_t, \
-                                       const Q*, const float*, const float*, int64_t, const B*,  \
+#define QPIPE_TILES_PRODUCT(T, B, Q)                                                            \
+  template void tiles_product<T, B, Q>(T*, const float*, int64_t, int64_t, int64_t, int64_t,    \
+                                       const Q*, const float*, const float*, int64_t, const B*, \
                                        const Epilogue&)
 QPIPE_TILES_PRODUCT(float, float, int8_t);
 QPIPE_TILES_PRODUCT(float, float, uint8_t);

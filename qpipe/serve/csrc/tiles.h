@@ -215,7 +215,7 @@ inline bool tiles_of(const at::Tensor& weight, at::ScalarType dtype, int64_t wid
 
 // A weight in tiles of `dtype` (named `dtype_name` in the message) holding out_features rows.
 inline void check_tiles(const at::Tensor& weight, at::ScalarType dtype, const char* dtype_name,
-                 int64_t out_features) {
+                        int64_t out_features) {
   TORCH_CHECK(tiles_of(weight, dtype, kTile) && weight.is_contiguous(),
               "weight must be contiguous ", dtype_name, " tiles [tiles, in_features, ", kTile, "]");
   check_fits_tiles(out_features, weight.size(0));
@@ -223,7 +223,7 @@ inline void check_tiles(const at::Tensor& weight, at::ScalarType dtype, const ch
 
 // Whether a linear layer has a bias, which must be contiguous [out_features] in x's dtype.
 inline bool has_bias_for(const c10::optional<at::Tensor>& bias, const at::Tensor& x,
-                  int64_t out_features) {
+                         int64_t out_features) {
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || (bias->numel() == out_features &&
                             bias->scalar_type() == x.scalar_type() && bias->is_contiguous()),
