@@ -197,28 +197,16 @@ void tiles_product(T* o, const float* xs, int64_t rows, int64_t k, int64_t n, in
 
 void fp32_tiles_product(float* o, const float* xs, int64_t rows, int64_t k, int64_t n,
                         int64_t tiles, const float* w, const float* b) {
-  if constexpr (kTileVecs == 1) {  // pairs of tiles, the last one alone if their count is odd
-    at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-      float sums[2][kBlockRows * kTile];
-      for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t t = 2 * pair, first = t * kTile;
-        if (t + 1 == tiles) {
-          panel_rows(o, n, b, first, std::min(kTile, n - first), xs, rows, k,
-                     w + t * k * kTile, Epilogue{});
-          continue;
-        }
-        for (int64_t r = 0; r < rows; r += kBlockRows) {
-          const int64_t count = std::min<int64_t>(kBlockRows, rows - r);
-          with_block_rows<kBlockRows>(count, [&](auto c) {
-            panel_pair_block<decltype(c)::value>(sums[0], sums[1], xs + r * k, k,
-                                                 w + t * k * kTile, w + (t + 1) * k * kTile);
-          });
-          store_tile_rows(o, n, b, first, kTile, sums[0], r, count, Epilogue{});
-          store_tile_rows(o, n, b, first + kTile, std::min(kTile, n - first - kTile), sums[1], r,
-                          count, Epilogue{});
-        }
-      }
-    });
+  if constexpr (kTileVecs == 1) {  // pairs of one-vector tiles, each broadcast feeding both
+    tile_pairs_product(o, n, b, xs, rows, k, w, tiles, k * kTile, Epilogue{},
+                       [&](auto c, auto t, auto& sums, auto x, auto& panels) {
+                         constexpr int kRows = decltype(c)::value;
+                         if constexpr (decltype(t)::value == 2) {
+                           panel_pair_block<kRows>(sums[0], sums[1], x, k, panels[0], panels[1]);
+                         } else {
+                           panel_block<kRows>(sums[0], x, k, panels[0]);
+                         }
+                       });
     return;
   }
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
