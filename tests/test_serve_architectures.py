@@ -89,7 +89,8 @@ def test_profiling_step_splits_into_prompts_that_fit_the_context(
 ) -> None:
     """With max_model_len below max_num_batched_tokens, the step that measures activation memory
     is several prompts, each within the rotary table: 100 tokens as 40 + 40 + 20, so its last
-    logits are those of a fresh 20-token prompt."""
+    logits are those of a fresh 20-token prompt (its tokens are its positions). It runs through
+    the step's own attention path: the C++ kernel where it is built."""
     engine = LLMEngine(
         EngineConfig(
             model=str(tiny_llama_checkpoint),
@@ -102,5 +103,5 @@ def test_profiling_step_splits_into_prompts_that_fit_the_context(
     logits = engine.model_runner.profile_forward(40)
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama_checkpoint, dtype=torch.float32)
     with torch.no_grad():
-        expected = reference(torch.zeros(1, 20, dtype=torch.long)).logits[0, -1:]
+        expected = reference(torch.arange(20)[None]).logits[0, -1:]
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)

@@ -23,11 +23,13 @@ from qpipe.serve.loader import load_model, read_config_json, resolve_dtype
 from qpipe.serve.models.llama import head_dim_of
 from qpipe.serve.sampling_params import SamplingParams
 from qpipe.serve.scheduler import ScheduledBatch, ScheduledSeq
+from qpipe.serve.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 PROMPT_LOGPROB_SLICE = 256  # prompt rows projected to the vocabulary at a time
+PROFILE = SamplingParams(max_tokens=1)  # the profiling step's sequences sample nothing
 
 
 @dataclass(frozen=True)
@@ -161,31 +163,26 @@ class ModelRunner:
     def profile_forward(self, max_len: int) -> torch.Tensor:
         """The largest step the scheduler may form: max_num_batched_tokens fresh prompt tokens,
         as prompts of at most `max_len` tokens (positions past it have no rotary entry), on a
-        scratch cache of their own; returns the logits of the last token."""
+        scratch cache of their own. It goes through `_prepare` like any step, so it measures the
+        attention path the server runs (the C++ kernel on CPU). Returns the logits of the last
+        prompt's last token; prompt tokens are their positions (mod the vocabulary)."""
         tokens = min(self.config.token_budget, self.config.max_model_len_cap)
         seq_len = min(tokens, max_len)
-        blocks = -(-tokens // self.block_size)
+        items, blocks = [], 0
+        for start in range(0, tokens, seq_len):
+            n = min(seq_len, tokens - start)
+            seq = Sequence(f"profile-{start}", [p % self.vocab_size for p in range(n)], PROFILE)
+            seq.block_table = list(range(blocks, blocks + -(-n // self.block_size)))
+            blocks += len(seq.block_table)
+            items.append(ScheduledSeq(seq, 0, n, samples=True))
         scratch = torch.zeros(
             self.num_layers, 2, blocks, self.block_size, self.num_kv_heads, self.head_dim,
             dtype=self.kv_cache_dtype, device=self.device,
         )  # fmt: skip
-        spans = tuple(
-            PrefillSpan(start, min(seq_len, tokens - start), 0, None)
-            for start in range(0, tokens, seq_len)
-        )
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(tokens, device=self.device),
-            num_decode_tokens=0,
-            block_tables=None,
-            seq_lens=None,
-            query_starts=None,
-            decode_mask=None,
-            prefills=spans,
-        )
-        positions = torch.arange(tokens, device=self.device) % seq_len
+        input_ids, positions, meta = self._prepare(DecodeRows(), items)
         with torch.inference_mode():
-            ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-            return self.model(ids, positions, scratch, meta, ids[-1:])
+            last = torch.tensor([tokens - 1], device=self.device)
+            return self.model(input_ids, positions, scratch, meta, last)
 
     def _profile_gpu_free_bytes(self, max_len: int) -> int:
         """Run the biggest batch the scheduler may form, then hand the KV cache what is left of
