@@ -294,6 +294,87 @@ def test_stop_string_echo_logprobs_and_batch_prompts(tiny_server: RunningServer)
     tiny_server.assert_idle()
 
 
+def test_logprobs_list_the_chosen_token_and_its_bytes(tiny_server: RunningServer) -> None:
+    """Completions' top_logprobs hold the k most likely tokens and the chosen one (OpenAI's
+    legacy API: up to k + 1 entries, the chosen alone for k = 0); chat's entries carry each
+    token's UTF-8 bytes, and top_logprobs without logprobs is refused, not ignored."""
+    url = f"{tiny_server.url}/v1/completions"
+    # hot sampling over a random model: most picks are not the most likely token
+    sampled = {"model": MODEL, "prompt": "Numbers: one two", "max_tokens": 16, "temperature": 5.0,
+               "seed": 7, "ignore_eos": True}  # fmt: skip
+    for k in (0, 1):
+        body = {**sampled, "logprobs": k}
+        lps = httpx.post(url, json=body, headers=AUTH, timeout=30).json()["choices"][0]["logprobs"]
+        entries = list(zip(lps["tokens"], lps["token_logprobs"], lps["top_logprobs"], strict=True))
+        assert len(entries) == 16
+        for token, chosen, top in entries:
+            assert top[token] == pytest.approx(chosen)
+            assert len(top) == 1 if k == 0 else len(top) in (1, 2)
+        if k == 1:
+            assert any(len(top) == 2 for _, _, top in entries), "the chosen token was never second"
+
+    chat = f"{tiny_server.url}/v1/chat/completions"
+    messages = [{"role": "user", "content": "Count: 1 2 3"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "ignore_eos": True}  # fmt: skip
+    content = httpx.post(chat, json=body, headers=AUTH, timeout=30).json()["choices"][0]
+    entries = content["logprobs"]["content"]
+    assert "".join(e["token"] for e in entries) == content["message"]["content"]
+    for entry in entries:
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"])  # greedy
+        assert all(t["bytes"] == list(t["token"].encode()) for t in entry["top_logprobs"])
+
+
+def test_explicit_nulls_ask_for_defaults(tiny_server: RunningServer) -> None:
+    """OpenAI's schema makes most fields nullable and clients send nulls: the same output as
+    leaving them out; a null max_tokens on chat still means 'to the end of the context'."""
+    url = f"{tiny_server.url}/v1/completions"
+    base = {"model": MODEL, "prompt": "Numbers: one two", "max_tokens": 12, "seed": 3}
+    nulls = dict.fromkeys(
+        ("temperature", "top_p", "top_k", "n", "stream", "echo", "logprobs", "presence_penalty",
+         "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "stop"),
+    )  # fmt: skip
+    plain = httpx.post(url, json=base, headers=AUTH, timeout=30).json()
+    nulled = httpx.post(url, json={**base, **nulls}, headers=AUTH, timeout=30)
+    assert nulled.status_code == 200, nulled.text
+    assert nulled.json()["choices"] == plain["choices"]
+
+
+def test_continue_final_message(tiny_server: RunningServer) -> None:
+    """vLLM's continue_final_message leaves the last (assistant) message open: the prompt is the
+    closed conversation's prefix, ending in the message's own text."""
+    messages = [{"role": "user", "content": "Greet me"},
+                {"role": "assistant", "content": "Bonjour, mon"}]  # fmt: skip
+    tokenize = f"{tiny_server.url}/tokenize"
+    flags = {"add_generation_prompt": False}
+    open_ids = httpx.post(
+        tokenize, json={"messages": messages, **flags, "continue_final_message": True},
+        headers=AUTH,
+    ).json()["tokens"]  # fmt: skip
+    closed_ids = httpx.post(tokenize, json={"messages": messages, **flags}, headers=AUTH).json()
+    decode = tiny_server.engine.tokenizer.decode
+    assert decode(open_ids).endswith("Bonjour, mon")
+    assert closed_ids["tokens"][: len(open_ids)] == open_ids
+    assert len(closed_ids["tokens"]) > len(open_ids)  # the template's end of turn
+    body = {"model": MODEL, "messages": messages, **flags, "continue_final_message": True,
+            "max_tokens": 4, "ignore_eos": True}  # fmt: skip
+    reply = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=body, headers=AUTH).json()
+    assert reply["usage"]["prompt_tokens"] == len(open_ids)
+
+
+def test_validation_errors_quote_little_of_the_request(tiny_server: RunningServer) -> None:
+    """A missing field's error does not quote the whole body (its 'input'), and a long wrong
+    value is cut short."""
+    url = f"{tiny_server.url}/v1/completions"
+    missing = httpx.post(url, json={"max_tokens": 4, "user": "x" * 500}, headers=AUTH).json()
+    assert missing["error"]["message"] == "prompt: Field required"
+    long = httpx.post(url, json={"prompt": "hi", "max_tokens": "9" * 500 + "x"}, headers=AUTH)
+    message = long.json()["error"]["message"]
+    assert message.startswith("max_tokens: ") and message.endswith("...)") and len(message) < 200
+
+
 def test_n_choices_penalties_and_logit_bias(tiny_server: RunningServer) -> None:
     url = f"{tiny_server.url}/v1/completions"
     encode = tiny_server.engine.tokenizer.encode
@@ -610,6 +691,18 @@ BAD_INPUTS = [
     ("a forced tool call and a response_format", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL], "tool_choice": "required",
       "response_format": {"type": "json_object"}}, AUTH, 400, "tool_choice"),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, AUTH, 400,
+     "top_logprobs"),
+    ("stream_options without stream", "/v1/completions",
+     {"prompt": "hi", "stream_options": {"include_usage": True}}, AUTH, 400, "stream_options"),
+    ("seed beyond int64", "/v1/completions", {"prompt": "hi", "seed": 2**64}, AUTH, 400, "seed"),
+    ("continue_final_message with add_generation_prompt", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}],
+      "continue_final_message": True}, AUTH, 400, "continue_final_message"),
+    ("continue_final_message after a user message", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True,
+      "add_generation_prompt": False}, AUTH, 400, "continue_final_message"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, AUTH, 400, "messages"),
     ("bad role", "/v1/chat/completions", {"messages": [{"role": "x", "content": "hi"}]}, AUTH,
      400, "messages.0.role"),
@@ -829,6 +922,47 @@ def test_max_queue_counts_requests_taken_in_since_the_last_step(
 
     asyncio.run(fill())
     stats = async_engine.engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_max_queue_does_not_count_requests_the_running_step_admitted(
+    tiny_llama_checkpoint: Path,
+) -> None:
+    """A request the step now computing has admitted (its prefill) is running, not waiting: the
+    queue is read when the step is formed, not when it ends. The step here waits until the test
+    has sent what it checks."""
+    config = EngineConfig(
+        model=str(tiny_llama_checkpoint), dtype="float32", kv_cache_memory_gib=0.01
+    )
+    async_engine = AsyncLLMEngine(lambda: LLMEngine(config), ServerMetrics("tiny"), max_queue=2)
+    engine = async_engine.engine
+    running, release = threading.Event(), threading.Event()
+    execute = engine.execute
+
+    def held_execute(batch):  # noqa: ANN001, ANN202 - LLMEngine.execute, held open
+        if batch.items:
+            running.set()
+            release.wait(30)
+        return execute(batch)
+
+    engine.execute = held_execute  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=2)
+
+    async def send() -> None:
+        async_engine.start()
+        async_engine.add_request("a", [100, 101], params)
+        async_engine.add_request("b", [102, 103], params)
+        assert await asyncio.to_thread(running.wait, 30), "the first step did not start"
+        # a and b are in the held step: the queue has room for two more, then it is full
+        async_engine.add_request("c", [104, 105], params)
+        async_engine.add_request("d", [106, 107], params)
+        with pytest.raises(QueueFullError, match="2 requests are waiting"):
+            async_engine.add_request("e", [108, 109], params)
+        release.set()
+        await async_engine.shutdown(drain_timeout_s=30)
+
+    asyncio.run(send())
+    stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
 
 

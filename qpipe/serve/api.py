@@ -35,6 +35,7 @@ from qpipe.serve.serving_completion import OpenAIServingCompletion
 from qpipe.serve.serving_engine import ServingSettings
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MAX_ECHOED = 80  # characters of a rejected value quoted back in a validation error
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if len(errors) > 1:
         reasons = f"no accepted form matches ({reasons})"
     where = f"{param}: " if param else ""
-    return f"{where}{reasons} (got {errors[0].get('input')!r})", param
+    if errors[0].get("type") == "missing":  # its input is the object around it: the whole body
+        return f"{where}{reasons}", param
+    got = repr(errors[0].get("input"))
+    if len(got) > MAX_ECHOED:
+        got = got[:MAX_ECHOED] + "..."
+    return f"{where}{reasons} (got {got})", param
 
 
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
@@ -144,8 +150,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
-            messages = [m.for_template() for m in body.messages]
-            ids = chat.chat_prompt(messages, body.add_generation_prompt)
+            ids = chat.chat_prompt(
+                body.messages, body.add_generation_prompt, body.continue_final_message
+            )
         else:
             ids = chat.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=chat.max_model_len)

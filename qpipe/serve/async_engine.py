@@ -212,8 +212,11 @@ class AsyncLLMEngine:
                 self._wake.clear()
                 self._apply_commands()
                 if self.engine.has_unfinished():
-                    self._hand_over([self._deliver(output) for output in self.engine.step()])
+                    batch = self.engine.scheduler.schedule()
+                    # the queue as this step leaves it, before it runs: a request it admits
+                    # (a long prefill) no longer counts against --max-queue while it computes
                     self._observe_stats()
+                    self._hand_over([self._deliver(out) for out in self.engine.execute(batch)])
                 else:
                     self._observe_stats()
                     self._wake.wait(self._idle_poll_s)

@@ -17,6 +17,8 @@ from qpipe.serve.sequence import FinishReason, Sequence
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from qpipe.serve.scheduler import ScheduledBatch
+
 log = logging.getLogger(__name__)
 
 
@@ -112,7 +114,11 @@ class LLMEngine:
             self.scheduler.abort(seq)
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        return self.execute(self.scheduler.schedule())
+
+    def execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Runs a batch the scheduler formed (`step` = schedule + execute; a server reads its
+        queue between the two, while the batch's requests already count as running)."""
         if not batch.items:
             return []
         result = self.model_runner.run(batch)

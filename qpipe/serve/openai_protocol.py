@@ -9,14 +9,40 @@ from __future__ import annotations
 
 import json
 import time
+import types
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+INT64 = (-(1 << 63), (1 << 63) - 1)  # a seed's range: torch's generators take an int64
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's schema makes most fields nullable (`temperature: number | null`), and clients
+        send explicit nulls: null asks for the field's default, as vLLM reads it. A field whose
+        own type takes None (`max_tokens`: null fills the context) keeps its null."""
+        if not isinstance(data, dict):
+            return data
+        return {key: v for key, v in data.items() if v is not None or _nullable(cls, key)}
+
+
+def _nullable(model: type[BaseModel], key: str) -> bool:
+    """Whether `key` (a field's name or alias) is a field of `model` whose type takes None;
+    unknown keys are kept for pydantic to ignore."""
+    for name, info in model.model_fields.items():
+        if key in (name, info.alias):
+            annotation = info.annotation
+            return annotation is None or (
+                get_origin(annotation) in (Union, types.UnionType)
+                and type(None) in get_args(annotation)
+            )
+    return True
 
 
 class StreamOptions(_Request):
@@ -55,7 +81,7 @@ class SamplingRequest(_Request):
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64[0], le=INT64[1])
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False
@@ -166,6 +192,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: extend the last (assistant) message
     tools: list[ChatTool] | None = None
     # "auto" (the default with tools) needs a model-specific parser of free text: refused
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -177,6 +204,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Request):

@@ -40,7 +40,7 @@ class OpenAIServingChat(OpenAIServing):
         self, body: ChatCompletionRequest
     ) -> tuple[list[int], SamplingParams, ForcedToolCall | None]:
         self.check_model(body.model)
-        self.check_unsupported(body)
+        self.check_fields(body)
         try:
             forced = ForcedToolCall.of(body.tools, body.tool_choice)
         except ValueError as exc:
@@ -52,9 +52,14 @@ class OpenAIServingChat(OpenAIServing):
                 "structured_outputs, or set tool_choice to 'none'",
                 param="tool_choice",
             )
-        messages = [m.for_template() for m in body.messages]
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(
+                400, "top_logprobs needs logprobs: true (as in OpenAI's API)", param="top_logprobs"
+            )
         tools = None if forced is None else [t.model_dump(exclude_none=True) for t in forced.tools]
-        prompt = self.chat_prompt(messages, body.add_generation_prompt, tools)
+        prompt = self.chat_prompt(
+            body.messages, body.add_generation_prompt, body.continue_final_message, tools
+        )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         field, max_tokens = "max_tokens", body.max_tokens
         if body.max_completion_tokens is not None:  # OpenAI's newer name wins, 0 included
@@ -71,17 +76,22 @@ class OpenAIServingChat(OpenAIServing):
         content = []
         for token_id, candidates in zip(token_ids, logprobs, strict=False):
             top = sorted(candidates.items(), key=lambda kv: -kv[1])[:k]
+            token = self.tokenizer.decode([token_id])
             content.append(
                 ChatTokenLogprob(
-                    token=self.tokenizer.decode([token_id]),
+                    token=token,
                     logprob=candidates.get(token_id, float("-inf")),
-                    top_logprobs=[
-                        ChatTopLogprob(token=self.tokenizer.decode([t]), logprob=lp)
-                        for t, lp in top
-                    ],
+                    bytes=list(token.encode()),
+                    top_logprobs=[self._top_logprob(t, lp) for t, lp in top],
                 )
             )
         return ChatLogprobs(content=content)
+
+    def _top_logprob(self, token_id: int, logprob: float) -> ChatTopLogprob:
+        """A token as OpenAI lists it: its text and that text's UTF-8 bytes (a token that ends
+        inside a character decodes to U+FFFD here, as in vLLM)."""
+        token = self.tokenizer.decode([token_id])
+        return ChatTopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
 
     async def create(
         self, body: ChatCompletionRequest, disconnected: Disconnected

@@ -47,7 +47,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _prepare(self, body: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         self.check_model(body.model)
-        self.check_unsupported(body)
+        self.check_fields(body)
         if body.suffix:
             raise APIError(400, "suffix is not supported by qpipe's server", param="suffix")
         prompts = self._prompts(body)
@@ -83,8 +83,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 out.top_logprobs.append(None)
                 continue
             out.token_logprobs.append(candidates.get(token_id))
-            top = sorted(candidates.items(), key=lambda kv: -kv[1])[:k]
-            out.top_logprobs.append({self.tokenizer.decode([t]): lp for t, lp in top})
+            # the k most likely and the chosen token, as OpenAI's legacy API and vLLM list them
+            top = dict(sorted(candidates.items(), key=lambda kv: -kv[1])[:k])
+            if token_id in candidates:
+                top[token_id] = candidates[token_id]
+            out.top_logprobs.append({self.tokenizer.decode([t]): lp for t, lp in top.items()})
         return out
 
     async def create(

@@ -22,7 +22,7 @@ from qpipe.serve.async_engine import (
     QueueFullError,
     RequestStream,
 )
-from qpipe.serve.openai_protocol import SamplingRequest, UsageInfo
+from qpipe.serve.openai_protocol import ChatMessage, SamplingRequest, UsageInfo
 from qpipe.serve.sampling_params import SamplingParams, StructuredOutput
 from qpipe.serve.structured_output import choice_grammar
 
@@ -103,7 +103,13 @@ class OpenAIServing:
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"{param}: token ids must be in [0, {vocab})", param=param)
 
-    def check_unsupported(self, body: SamplingRequest) -> None:
+    def check_fields(self, body: SamplingRequest) -> None:
+        """Fields that contradict each other, or that qpipe cannot honour: a 400, not a guess."""
+        if body.stream_options is not None and not body.stream:
+            raise APIError(
+                400, "stream_options is only for streamed requests (stream: true)",
+                param="stream_options",
+            )  # fmt: skip
         if body.best_of not in (None, body.n):
             raise APIError(
                 400,
@@ -231,10 +237,14 @@ class OpenAIServing:
 
     def chat_prompt(
         self,
-        messages: list[dict[str, Any]],
+        messages: list[ChatMessage],
         add_generation_prompt: bool,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
+        """The prompt's token ids through the checkpoint's chat template. With
+        `continue_final_message` the last message, an assistant's, is left open for the model to
+        go on writing (vLLM's field; a prefilled answer), instead of closed by the template."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(
                 400,
@@ -242,8 +252,26 @@ class OpenAIServing:
                 "tokenizer_config.json); use /v1/completions with a formatted prompt",
                 param="messages",
             )
+        if continue_final_message and add_generation_prompt:
+            raise APIError(
+                400,
+                "continue_final_message extends the last message, add_generation_prompt starts a "
+                "new one: set add_generation_prompt to false",
+                param="continue_final_message",
+            )
+        if continue_final_message and messages[-1].role != "assistant":
+            raise APIError(
+                400,
+                f"continue_final_message needs an assistant message last, got "
+                f"{messages[-1].role!r}",
+                param="continue_final_message",
+            )
         text = self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+            [m.for_template() for m in messages],
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
