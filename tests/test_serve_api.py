@@ -1119,6 +1119,21 @@ def test_smollm2_openai_client_end_to_end(smollm2_checkpoint: Path) -> None:
         expected = tokenizer.decode(out[0, prompt_ids.shape[1] :], skip_special_tokens=True)
         assert answer == expected
 
+        # a prefilled answer, continued (vLLM's continue_final_message): as transformers goes on
+        prefilled = [*messages, {"role": "assistant", "content": "The capital of France is"}]
+        going_on = client.chat.completions.create(
+            model="smollm2", messages=prefilled, max_tokens=8, temperature=0,
+            extra_body={"continue_final_message": True, "add_generation_prompt": False},
+        )  # fmt: skip
+        open_ids = tokenizer.apply_chat_template(
+            prefilled, continue_final_message=True, return_tensors="pt"
+        )["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(open_ids, max_new_tokens=8, do_sample=False)
+        continued = going_on.choices[0].message.content
+        assert continued == tokenizer.decode(out[0, open_ids.shape[1] :], skip_special_tokens=True)
+        assert "Paris" in continued and going_on.usage.prompt_tokens == open_ids.shape[1]
+
         samples = client.chat.completions.create(
             model="smollm2", messages=messages, max_tokens=20, n=3, seed=0, temperature=0.8,
             frequency_penalty=0.5, extra_body={"repetition_penalty": 1.2},
