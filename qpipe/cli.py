@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from types import FrameType
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from qpipe.console import console, out
-from qpipe.recipe import Recipe, RecipeError, load_recipe, recipe_schema
+from qpipe.console import console, error, out
+from qpipe.recipe import Recipe, RecipeError, load_recipe, locate, recipe_schema
+
+if TYPE_CHECKING:
+    from qpipe.pipeline import PlannedStage
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 recipe_app = typer.Typer(no_args_is_help=True, help="Validate recipes and print their schema.")
@@ -44,17 +50,12 @@ StoreOption = Annotated[
 JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 
 
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(code)
-
-
 def _load(path: Path) -> Recipe:
     try:
         return load_recipe(path)
     except RecipeError as exc:
         for problem in exc.problems:
-            console.print(f"[red]{problem}[/]", highlight=False, soft_wrap=True)
+            console.print(f"[red]{escape(problem)}[/]", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from exc
 
 
@@ -76,7 +77,7 @@ def _open_store(
             local_cache = str(recipe_dir / Path(local_cache).expanduser())
         return open_store(config.location, config.endpoint_url, local_cache)
     except StoreError as exc:
-        raise _fail(str(exc)) from exc
+        raise error(str(exc)) from exc
 
 
 def _pipeline(recipe_path: Path, store: str | None, recipe: Recipe | None = None) -> Any:
@@ -132,10 +133,10 @@ def _stage_event(stage: Any, event: str) -> None:
     elif event == "corrupt":
         console.print(
             f"[red]✗ {stage.name}: cached entry {(stage.key or '')[:12]} is corrupt "
-            f"({stage.reason}); rebuilding it[/]"
+            f"({escape(stage.reason)}); rebuilding it[/]"
         )
     elif event == "failed":
-        console.print(f"[red]✗ {stage.name}: {stage.reason}[/]", highlight=False)
+        console.print(f"[red]✗ {stage.name}: {escape(stage.reason)}[/]", highlight=False)
 
 
 @app.command()
@@ -154,7 +155,7 @@ def plan(
     try:
         planned = pipeline.plan(until)
     except (StageError, StoreError) as exc:
-        raise _fail(str(exc)) from exc
+        raise error(str(exc)) from exc
     if as_json:
         out.print_json(
             json.dumps({"recipe": str(recipe), "stages": [p.to_json() for p in planned]})
@@ -167,7 +168,7 @@ def _check_stage_name(name: str | None) -> None:
     from qpipe.pipeline import STAGE_ORDER
 
     if name is not None and name not in STAGE_ORDER:
-        raise _fail(f"unknown stage {name!r}; stages: {', '.join(STAGE_ORDER)}", code=2)
+        raise error(f"unknown stage {name!r}; stages: {', '.join(STAGE_ORDER)}", code=2)
 
 
 @app.command()
@@ -190,7 +191,7 @@ def run(
 
     Exit codes: 0 done, 1 a stage failed or is not available, 2 bad recipe, 3 a gate failed.
     """
-    from qpipe.pipeline import gate_failures, manifest
+    from qpipe.pipeline import manifest
     from qpipe.stages.base import StageError
     from qpipe.store.base import StoreError
 
@@ -203,12 +204,17 @@ def run(
     _check_stage_name(until)
     for name in force or ():
         _check_stage_name(name)
+    _check_model_fit(recipe, loaded, pipeline, "quantize" in (force or ()))
+    # SIGTERM (`kill PID`, a CI job or container being stopped) unwinds like Ctrl-C: the running
+    # stage removes its temp dir and the bench stage stops its server, instead of leaving it
+    # serving with no parent
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         # NOTE: stdout is for the result (table or --json); stages' progress and logs go to stderr.
         with contextlib.redirect_stdout(sys.stderr):
             planned = pipeline.run(until=until, force=tuple(force or ()), on_event=_stage_event)
     except (StageError, StoreError) as exc:
-        raise _fail(str(exc)) from exc
+        raise error(str(exc)) from exc
     record = manifest(loaded, recipe, planned, pipeline.store)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
     name = f"runs/{loaded.name}/{stamp}/manifest.json"
@@ -216,18 +222,54 @@ def run(
     pipeline.store.write_document(name, data)
     pipeline.store.write_document(f"runs/{loaded.name}/latest.json", data)
     if manifest_path is not None:
+        manifest_path.parent.mkdir(parents=True, exist_ok=True)
         manifest_path.write_bytes(data)
     if as_json:
         out.print_json(json.dumps({**record, "manifest": name}))
     else:
         out.print(_table(planned, f"run: {recipe}  (store: {pipeline.store.location})"))
         console.print(f"manifest: {pipeline.store.location}/docs/{name}", highlight=False)
-    failed = next((p for p in planned if p.status == "failed"), None)
-    if failed is not None:
-        raise _fail(f"{failed.name}: {failed.reason}")
+    _exit_for(planned, loaded.publish is not None and loaded.publish.allow_failed_gates)
+
+
+def _exit_for(planned: list[PlannedStage], gates_allowed: bool) -> None:
+    """Exit 1 for a stage that failed or a build target that could not be built (an engine's
+    missing toolchain is not a quality verdict), 3 for an accuracy or throughput gate. Publish
+    refuses before it touches the registry when a gate failed, so its failure then is that
+    refusal, and the gate's code is the run's."""
+    from qpipe.pipeline import gate_failures
+
     failures = gate_failures(planned)
+    failed = next((p for p in planned if p.status == "failed"), None)
+    refused = failed is not None and failed.name == "publish" and failures and not gates_allowed
+    if failed is not None and not refused:
+        reason = failed.reason.removeprefix(f"{failed.name}: ")
+        raise error(f"{failed.name}: {reason}")
+    unbuilt = [line for line in failures if line.startswith("build: ")]
+    if unbuilt:
+        raise error("targets not built:\n  " + "\n  ".join(unbuilt))
     if failures:
-        raise _fail("gates failed:\n  " + "\n  ".join(failures), code=3)
+        raise error("gates failed:\n  " + "\n  ".join(failures), code=3)
+
+
+def _check_model_fit(recipe_path: Path, recipe: Recipe, pipeline: Any, forced: bool) -> None:
+    """A group size the model cannot take is a recipe error (exit 2, file:line) before convert
+    and calibrate spend minutes on it. Checked only when quantize is to run: reading a GGUF
+    header takes seconds, and a finished recipe's re-run must stay instant."""
+    from qpipe.stages.base import StageError
+    from qpipe.store.base import StoreError
+
+    if not forced:
+        try:
+            planned = pipeline.plan(until="quantize")
+        except (StageError, StoreError):
+            return  # the run itself reports what the plan cannot read
+        if all(p.status in ("hit", "disabled") for p in planned if p.name == "quantize"):
+            return
+    problem = _model_problem(recipe, recipe_path)
+    if problem:
+        console.print(f"[red]{escape(problem)}[/]", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
 
 
 @recipe_app.command("validate")
@@ -240,33 +282,36 @@ def recipe_validate(files: list[Path]) -> None:
         except RecipeError as exc:
             bad += 1
             for problem in exc.problems:
-                console.print(f"[red]{problem}[/]", highlight=False, soft_wrap=True)
+                console.print(f"[red]{escape(problem)}[/]", highlight=False, soft_wrap=True)
             continue
-        problem = _model_problem(recipe, path.resolve().parent)
+        problem = _model_problem(recipe, path)
         if problem:
             bad += 1
-            console.print(f"[red]{path}: {problem}[/]", highlight=False, soft_wrap=True)
+            console.print(f"[red]{escape(problem)}[/]", highlight=False, soft_wrap=True)
             continue
         out.print(f"[green]ok[/] {path}: {recipe.name} ({recipe.quantization.method})")
     if bad:
         raise typer.Exit(2)
 
 
-def _model_problem(recipe: Recipe, recipe_dir: Path) -> str | None:
-    """Check the recipe against the model's shape when the model is here (group size, ...)."""
+def _model_problem(recipe: Recipe, recipe_path: Path) -> str | None:
+    """The recipe checked against the model's shape when the model is here (group size, ...),
+    as `file:line problem`."""
     from qpipe.convert import SourceError, resolve_source, source_config
     from qpipe.quant.group_size import GroupSizeError, check_group_size, weight_group
 
     if weight_group(recipe.quantization) is None:
         return None  # nothing to check, and reading a GGUF header takes seconds
     try:
-        source = resolve_source(recipe.model.source, recipe.model.allow_pickle, recipe_dir)
+        source = resolve_source(
+            recipe.model.source, recipe.model.allow_pickle, recipe_path.resolve().parent
+        )
     except SourceError:
         return None  # the model lives elsewhere (e.g. a GPU box's HF cache): checked at run time
     try:
         check_group_size(source_config(source), recipe.quantization)
     except GroupSizeError as exc:
-        return str(exc)
+        return f"{locate(recipe_path, ('quantization', 'group_size'))} {exc}"
     return None
 
 
@@ -328,7 +373,7 @@ def cache_verify(
             opened.open(meta.key, verify=True)
         except CorruptEntry as exc:
             corrupt += 1
-            console.print(f"[red]corrupt[/] {meta.stage} {meta.key[:12]}: {exc.problem}")
+            console.print(f"[red]corrupt[/] {meta.stage} {meta.key[:12]}: {escape(exc.problem)}")
             if quarantine:
                 opened.quarantine(meta.key, exc.problem)
     out.print(f"{len(entries) - corrupt} ok, {corrupt} corrupt")
@@ -382,11 +427,11 @@ def _transfer(source: Any, target: Any, refs: list[str]) -> None:
     from qpipe.store.transfer import copy_entries
 
     if source.location == target.location:
-        raise _fail("source and target are the same store; name the other one with --to/--from")
+        raise error("source and target are the same store; name the other one with --to/--from")
     try:
         report = copy_entries(source, target, refs)
     except StoreError as exc:
-        raise _fail(str(exc)) from exc
+        raise error(str(exc)) from exc
     out.print(f"{source.location} → {target.location}: {report.summary()}")
 
 
@@ -395,6 +440,10 @@ _register_area_commands()
 
 def main() -> None:
     app()
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 RECIPE_QUANT = {"none": None, "int8-sq": "int8", "int8-wo": "int8", "fp8": "fp8", "awq": "int4",
@@ -409,7 +458,7 @@ def _recipe_shape(path: Path, store: str | None) -> tuple[Any, str, int]:
     pipeline = _pipeline(path, store)
     convert = pipeline.plan(until="convert")[0]
     if convert.path is None:
-        raise _fail(
+        raise error(
             f"the model of {path} is not converted yet: run `qpipe run {path} --until convert`"
         )
     q = pipeline.recipe.quantization
@@ -453,7 +502,7 @@ def fit(
             )
         )  # fmt: skip
     except FitError as exc:
-        raise _fail(str(exc), code=2) from exc
+        raise error(str(exc), code=2) from exc
     if as_json:
         out.print_json(report.to_json())
         return

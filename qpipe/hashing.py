@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Mapping
 from pathlib import Path
 
 from qpipe.store.entry import sha256_file
@@ -43,16 +43,17 @@ class HashCache:
             )
         return digest
 
-    def files_hash(self, paths: Iterable[Path], root: Path | None = None) -> dict[str, str]:
-        """name → sha256 for each file; directories contribute every file below them."""
+    def files_hash(self, inputs: Mapping[str, Path]) -> dict[str, str]:
+        """role → sha256 for each input file; a directory contributes every file below it, as
+        role/relative path. Keyed by the role a file plays, not its name: the same bytes renamed
+        or moved keep the key, and two inputs that share a name are both in it."""
         hashes: dict[str, str] = {}
-        for path in paths:
-            files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-            for file in files:
-                name = file.relative_to(path).as_posix() if path.is_dir() else file.name
-                if path.is_dir():
-                    name = f"{path.name}/{name}"
-                hashes[name] = self.file_hash(file)
+        for role, path in inputs.items():
+            if not path.is_dir():
+                hashes[role] = self.file_hash(path)
+                continue
+            for file in sorted(p for p in path.rglob("*") if p.is_file()):
+                hashes[f"{role}/{file.relative_to(path).as_posix()}"] = self.file_hash(file)
         return dict(sorted(hashes.items()))
 
 

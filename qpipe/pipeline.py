@@ -194,8 +194,9 @@ class Pipeline:
                 p.seconds = time.perf_counter() - started
                 on_event(p, "failed")
                 return planned
-            except BaseException:
+            except BaseException as exc:
                 p.status = "failed"
+                p.reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else repr(exc)
                 p.seconds = time.perf_counter() - started
                 on_event(p, "failed")
                 raise

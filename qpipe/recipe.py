@@ -243,5 +243,16 @@ def load_recipe(path: Path) -> Recipe:
     return parse_recipe(text, str(path))
 
 
+def locate(path: Path, loc: tuple[str | int, ...]) -> str:
+    """`file:line` of the value at `loc` in a recipe file (the nearest enclosing one where the key
+    is left to its default), for problems found after parsing, against the model's shape."""
+    try:
+        root = yaml.compose(path.read_text(), Loader=yaml.SafeLoader)
+    except (OSError, yaml.YAMLError):
+        return str(path)
+    node = _node_at(root, loc)
+    return f"{path}:{node.start_mark.line + 1}" if node is not None else str(path)
+
+
 def recipe_schema() -> dict[str, Any]:
     return Recipe.model_json_schema()

@@ -92,13 +92,21 @@ def test_editing_one_sample_rekeys_calibrate_not_convert(
     (dataset / "domain.jsonl").write_text(text.replace("sample 7", "sample seven"))
     edited = keys()
     assert edited["convert"] == before["convert"] and edited["calibrate"] != before["calibrate"]
+    # the same bytes under another name: keyed by content, so it hits
+    (dataset / "renamed.jsonl").write_bytes((dataset / "domain.jsonl").read_bytes())
+    recipe_path.write_text(recipe_text(tiny_llama_checkpoint, "data/renamed.jsonl"))
+    renamed = Pipeline(
+        parse_recipe(recipe_path.read_text()), tmp_path, LocalStore(tmp_path / "store"),
+        HashCache(None),
+    ).plan(until="calibrate")  # fmt: skip
+    assert {p.name: p.key for p in renamed} == edited
     assert keys("  seed: 1\n")["calibrate"] not in (before["calibrate"], edited["calibrate"])
 
 
 def test_directory_dataset_is_declared_whole(smollm2_checkpoint: Path, tmp_path: Path) -> None:
     recipe = parse_recipe(recipe_text(smollm2_checkpoint, "saved"))
     (tmp_path / "saved").mkdir()
-    assert CalibrateStage().input_files(recipe, tmp_path) == [tmp_path / "saved"]
+    assert CalibrateStage().input_files(recipe, tmp_path) == {"dataset": tmp_path / "saved"}
     missing = parse_recipe(recipe_text(smollm2_checkpoint, "missing.jsonl"))
     with pytest.raises(StageError, match=r"calibration.dataset: .*missing.jsonl does not exist"):
         CalibrateStage().input_files(missing, tmp_path)

@@ -70,6 +70,8 @@ def test_default_recipe_runs_every_stage_then_nothing(tmp_path: Path) -> None:
     entry = json.loads(shown.stdout)
     assert "smollm2-135m" in json.dumps(entry)
 
-    again = qpipe("run", str(recipe), "--json", store=store)
+    copy = tmp_path / "ci" / "artifacts" / "manifest.json"  # a folder that is not there yet
+    again = qpipe("run", str(recipe), "--json", "--manifest", str(copy), store=store)
     assert again.returncode == 0, again.stderr[-2000:]
     assert {s["status"] for s in json.loads(again.stdout)["stages"]} == {"hit"}
+    assert json.loads(copy.read_text())["stages"] == json.loads(again.stdout)["stages"]

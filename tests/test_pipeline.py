@@ -7,12 +7,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import typer
 from pydantic import BaseModel
 
+from qpipe.cli import _exit_for
 from qpipe.hashing import HashCache
-from qpipe.pipeline import STAGE_ORDER, Pipeline, gate_failures
+from qpipe.pipeline import STAGE_ORDER, Pipeline, PlannedStage, gate_failures
 from qpipe.recipe import Recipe, parse_recipe
 from qpipe.stages.base import GateVerdict, Stage, StageContext, StageError, StageResult
+from qpipe.stages.evaluate import EvaluateStage
 from qpipe.store.local import LocalStore
 
 RUNS: Counter[str] = Counter()
@@ -32,10 +35,10 @@ class FakeStage(Stage):
                 "quantize": recipe.quantization, "build": recipe.build,
                 "evaluate": recipe.evaluate}.get(self.name)  # fmt: skip
 
-    def input_files(self, recipe: Recipe, recipe_dir: Path) -> list[Path]:
+    def input_files(self, recipe: Recipe, recipe_dir: Path) -> dict[str, Path]:
         if self.name == "calibrate" and recipe.calibration is not None:
-            return [recipe_dir / recipe.calibration.dataset]
-        return []
+            return {"dataset": recipe_dir / recipe.calibration.dataset}
+        return {}
 
     def run(self, ctx: StageContext) -> StageResult:
         RUNS[self.name] += 1
@@ -206,3 +209,80 @@ def test_aliases_a_stage_returns_point_at_its_entry(setup) -> None:  # type: ign
     planned = pipeline().run()
     record = store.resolve_alias("fake-sm90-int8-tp1")
     assert record == {"key": planned[3].key, "stage": "build", "arch": "sm90"}
+
+
+def test_inputs_are_keyed_by_role_and_content(tmp_path: Path) -> None:
+    """Two inputs that share a file name both count (an edit to either re-keys), and the same
+    bytes under another name or folder keep the key."""
+    hashes = HashCache(tmp_path / "hashes.db")
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "test.jsonl").write_text(f'{{"q": "{folder}"}}\n')
+    inputs = {"first": tmp_path / "a" / "test.jsonl", "second": tmp_path / "b" / "test.jsonl"}
+    before = hashes.files_hash(inputs)
+    assert len(set(before.values())) == 2
+    for role in inputs:
+        inputs[role].write_text('{"q": "edited"}\n')
+        assert hashes.files_hash(inputs)[role] != before[role], role
+    moved = tmp_path / "elsewhere" / "renamed.jsonl"
+    moved.parent.mkdir()
+    moved.write_bytes(inputs["first"].read_bytes())
+    assert hashes.files_hash({**inputs, "first": moved}) == hashes.files_hash(inputs)
+
+
+def test_evaluate_inputs_name_their_place_in_the_recipe(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "test.jsonl").write_text("{}\n")
+    recipe = parse_recipe(textwrap.dedent("""\
+        name: fake
+        model: {source: gguf:m.gguf, dtype: float32}
+        quantization: {method: int8-wo}
+        evaluate:
+          tasks:
+            - {name: arc_easy, data_files: {test: a/test.jsonl}}
+            - {name: hellaswag, data_files: {test: b/test.jsonl}}
+        """))  # fmt: skip
+    with pytest.raises(StageError, match=r"evaluate.tasks\[1\].data_files.test: .*b/test.jsonl"):
+        EvaluateStage().input_files(recipe, tmp_path)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "test.jsonl").write_text("{}\n")
+    assert EvaluateStage().input_files(recipe, tmp_path) == {
+        "evaluate.tasks[0].data_files.test": tmp_path / "a" / "test.jsonl",
+        "evaluate.tasks[1].data_files.test": tmp_path / "b" / "test.jsonl",
+    }
+
+
+def _stage(name: str, status: str = "ran", reason: str = "", failures: tuple = ()) -> PlannedStage:
+    gate = {"passed": False, "failures": list(failures)} if failures else None
+    return PlannedStage(name, status, reason=reason, gate=gate)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("planned", "allowed", "code", "says"),
+    [
+        # publish refused because evaluate's gate failed: the gate's code, not a stage failure
+        ([_stage("evaluate", failures=("kld_mean: 0.02 > allowed 0.0001",)),
+          _stage("publish", "failed", "publish: refusing to publish x: its gates failed")],
+         False, 3, "gates failed:\n  evaluate: kld_mean"),
+        ([_stage("evaluate", failures=("kld_mean: 0.02",)), _stage("publish")], True, 3,
+         "gates failed"),
+        # an engine that could not be built is a missing target, not a quality verdict
+        ([_stage("build", failures=("trtllm-engine: TensorRT-LLM is not installed",)),
+          _stage("publish", "failed", "publish: refusing to publish x: its gates failed")],
+         False, 1, "targets not built:\n  build: trtllm-engine"),
+        # a stage that failed on its own; its message is not prefixed twice
+        ([_stage("publish", "failed", "publish: the registry is unreachable")], False, 1,
+         "error: publish: the registry is unreachable"),
+    ],
+)  # fmt: skip
+def test_run_exit_codes(
+    planned: list[PlannedStage], allowed: bool, code: int, says: str, capsys
+) -> None:  # noqa: ANN001
+    with pytest.raises(typer.Exit) as exit_info:
+        _exit_for(planned, allowed)
+    assert exit_info.value.exit_code == code
+    assert says in capsys.readouterr().err
+
+
+def test_a_clean_run_exits_zero() -> None:
+    _exit_for([_stage("evaluate"), _stage("publish")], gates_allowed=False)

@@ -174,3 +174,21 @@ def test_group_size_that_does_not_divide_the_model_fails_validation(tmp_path: Pa
         "model.layers.*.self_attn.q_proj" in result.output
     )
     assert "use 64 or 32" in result.output
+    line = next(i for i, text in enumerate(bad.read_text().splitlines(), 1) if "group_size" in text)
+    assert f"{bad}:{line} quantization.group_size: 128" in result.output
+
+    # `qpipe run` refuses it the same way, before convert and calibrate spend minutes on it
+    store = tmp_path / "store"
+    run = CliRunner().invoke(app, ["run", str(bad), "--store", str(store)])
+    assert run.exit_code == 2, run.output
+    assert f"{bad}:{line} quantization.group_size: 128 does not divide" in run.output
+    assert not (store / "objects").exists() or not any((store / "objects").iterdir())
+
+
+def test_recipe_errors_print_brackets_as_text(tmp_path: Path) -> None:
+    """A problem quoting a pattern (`^[a-z0-9]...`) is not eaten as rich markup."""
+    bad = tmp_path / "upper.yaml"
+    bad.write_text(VALID.replace("name: ", "name: SmolLM2_Int8  # ", 1))
+    result = CliRunner().invoke(app, ["recipe", "validate", str(bad)])
+    assert result.exit_code == 2
+    assert "[a-z0-9][a-z0-9._-]*$" in result.output

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from qpipe.bench.config import LoadProfile
-from qpipe.console import console, out
+from qpipe.console import error, out
 
 if TYPE_CHECKING:
     from qpipe.bench.client import Target
@@ -112,7 +112,10 @@ def bench(
         try:
             served = asyncio.run(served_model(endpoint, api_key))
         except Exception as exc:
-            _fail(f"cannot list models at {endpoint}/v1/models ({exc}); is it up? or pass --model")
+            raise error(
+                f"cannot list models at {endpoint}/v1/models ({exc}); is it up? or pass --model",
+                code=2,
+            ) from exc
         model = served.id
         # NOTE: a server on this machine names the directory it loaded; its tokenizer is there.
         if tokenizer is None and served.root and Path(served.root).is_dir():
@@ -127,7 +130,7 @@ def bench(
             target, profiles, options, load_tokenizer(tokenizer) if tokenizer else None
         )
     except BenchError as exc:
-        _fail(str(exc))
+        raise error(str(exc), code=2) from exc
     for level in results:
         print_level(level)
     if result_file is not None:
@@ -269,14 +272,16 @@ def compare(
         try:
             candidates = [hist.get(run_id) for run_id in run]
         except KeyError as exc:
-            _fail(str(exc.args[0]))
+            raise error(str(exc.args[0]), code=2) from exc
     else:
         newest: dict[tuple[str, str, str], HistoryRow] = {}
         for row in reversed(hist.runs(alias, limit=-1)):
             newest[(row.alias, row.hardware, row.profile)] = row
         candidates = list(newest.values())
     if not candidates:
-        _fail(f"no benchmark runs in {hist.path}; run `qpipe bench --endpoint URL` first")
+        raise error(
+            f"no benchmark runs in {hist.path}; run `qpipe bench --endpoint URL` first", code=2
+        )
     regressed = False
     for row in candidates:
         result = compare_run(hist, row, band)
@@ -305,8 +310,3 @@ def _int(text: str, option: str) -> int:
     if value < 1:
         raise ValueError(f"{option}: {value} must be >= 1")
     return value
-
-
-def _fail(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {message}")
-    raise typer.Exit(2)

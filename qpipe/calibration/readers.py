@@ -92,7 +92,7 @@ def _jsonl(path: Path, field: str | None) -> Iterator[RawSample]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise CalibrationDataError(
-                f"{origin}: invalid JSON ({exc.msg} at column {exc.colno}); each line must be one "
+                f"{origin}: invalid JSON ({exc.msg}: column {exc.colno}); each line must be one "
                 'complete JSON object, e.g. {"text": "..."}'
             ) from exc
         if not isinstance(record, dict):

@@ -77,9 +77,12 @@ class Stage(ABC):
         """The recipe part that shapes this stage's output; it goes into the key."""
         return None
 
-    def input_files(self, recipe: Recipe, recipe_dir: Path) -> list[Path]:
-        """Files whose content goes into the key (hashed, with a stat-keyed cache)."""
-        return []
+    def input_files(self, recipe: Recipe, recipe_dir: Path) -> dict[str, Path]:
+        """Files whose content goes into the key (hashed, with a stat-keyed cache), by the role
+        each plays ("dataset", "tasks[0].data_files.test"): content and role decide the key, not
+        where the file lies or what it is called. Raises StageError for a file that is not
+        there."""
+        return {}
 
     def tools(self, recipe: Recipe) -> tuple[str, ...]:
         """Python distributions whose versions shape the output (their versions go into the key)."""

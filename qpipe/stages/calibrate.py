@@ -42,7 +42,7 @@ class CalibrateStage(Stage):
     def section(self, recipe: Recipe) -> BaseModel | None:
         return _CalibrateSection(settings=_config(recipe).model_dump(exclude={"dataset"}))
 
-    def input_files(self, recipe: Recipe, recipe_dir: Path) -> list[Path]:
+    def input_files(self, recipe: Recipe, recipe_dir: Path) -> dict[str, Path]:
         config = _config(recipe)
         path = _dataset_path(config, recipe_dir)
         if not path.exists():
@@ -50,7 +50,7 @@ class CalibrateStage(Stage):
                 f"calibration.dataset: {path} does not exist (a relative path is resolved from "
                 f"the recipe's directory, {recipe_dir}); fix the path"
             )
-        return [path]
+        return {"dataset": path}
 
     def tools(self, recipe: Recipe) -> tuple[str, ...]:
         return ("transformers", "tokenizers")

@@ -29,12 +29,16 @@ class ConvertStage(Stage):
             dtype=model.dtype, allow_pickle=model.allow_pickle, verify_prompts=model.verify_prompts
         )
 
-    def input_files(self, recipe: Recipe, recipe_dir: Path) -> list[Path]:
+    def input_files(self, recipe: Recipe, recipe_dir: Path) -> dict[str, Path]:
+        """A GGUF file is the model whatever its name; in a model directory the names are what
+        loaders look for (config.json, tokenizer.json), so they are the roles."""
         try:
             source = resolve_source(recipe.model.source, recipe.model.allow_pickle, recipe_dir)
         except SourceError as exc:
             raise StageError(f"model.source: {exc}") from exc
-        return list(source.files)
+        if source.kind == "gguf":
+            return {"model": source.path}
+        return {f"model/{file.relative_to(source.path).as_posix()}": file for file in source.files}
 
     def tools(self, recipe: Recipe) -> tuple[str, ...]:
         tools = ("torch", "transformers", "safetensors")

@@ -34,17 +34,29 @@ class EvaluateStage(Stage):
     def section(self, recipe: Recipe) -> BaseModel | None:
         return _config(recipe)
 
-    def input_files(self, recipe: Recipe, recipe_dir: Path) -> list[Path]:
-        """The held-out text and task data the recipe points at.
+    def input_files(self, recipe: Recipe, recipe_dir: Path) -> dict[str, Path]:
+        """The held-out text and task data the recipe points at, by their place in the recipe.
 
         The data qpipe ships (qpipe/data) is covered by `version`: bump it when that data changes.
         """
         config = _config(recipe)
-        paths = [config.text] if config.text else []
-        for task in config.tasks:
-            paths += list((task.data_files or {}).values())
-            paths += [task.config] if task.config else []
-        return [p if p.is_absolute() else (recipe_dir / p).resolve() for p in map(Path, paths)]
+        named = {"evaluate.text": config.text} if config.text else {}
+        for i, task in enumerate(config.tasks):
+            for split, path in (task.data_files or {}).items():
+                named[f"evaluate.tasks[{i}].data_files.{split}"] = path
+            if task.config:
+                named[f"evaluate.tasks[{i}].config"] = task.config
+        files = {}
+        for role, value in named.items():
+            path = Path(value).expanduser()
+            path = path if path.is_absolute() else (recipe_dir / path).resolve()
+            if not path.exists():
+                raise StageError(
+                    f"{role}: {path} does not exist (a relative path is resolved from the "
+                    f"recipe's directory, {recipe_dir}); fix the path"
+                )
+            files[role] = path
+        return files
 
     def tools(self, recipe: Recipe) -> tuple[str, ...]:
         return ("torch", "transformers", "compressed-tensors", "lm_eval", "datasets")

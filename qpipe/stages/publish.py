@@ -39,9 +39,13 @@ class PublishStage(Stage):
             raise StageError("publish: needs the build stage's output, and the run has none")
         accuracy = _stage_record(ctx, "evaluate")
         throughput = _stage_record(ctx, "bench")
+        # a build target the recipe asks for and that could not be built (an engine without
+        # its toolchain) stops a publish too: the entry would lack what its consumers pull
+        gated = (("build", _stage_record(ctx, "build")), ("evaluate", accuracy),
+                 ("bench", throughput))  # fmt: skip
         failures = [
             f"{stage}: {line}"
-            for stage, record in (("evaluate", accuracy), ("bench", throughput))
+            for stage, record in gated
             if record is not None and record.gate_failed
             for line in (record.gate or {}).get("failures", []) or ["gate failed"]
         ]

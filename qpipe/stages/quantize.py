@@ -65,10 +65,10 @@ class QuantizeStage(Stage):
     def section(self, recipe: Recipe) -> BaseModel:
         return recipe.quantization
 
-    def input_files(self, recipe: Recipe, recipe_dir: Path) -> list[Path]:
+    def input_files(self, recipe: Recipe, recipe_dir: Path) -> dict[str, Path]:
         auto = recipe.quantization.auto_keep_16bit
         if auto is None or auto.heldout is None:
-            return []
+            return {}
         path = Path(auto.heldout).expanduser()
         path = path if path.is_absolute() else (recipe_dir / path).resolve()
         if not path.is_file():
@@ -76,7 +76,7 @@ class QuantizeStage(Stage):
                 f"quantization.auto_keep_16bit.heldout: {path} is not a file (relative paths are "
                 f"resolved from the recipe's directory, {recipe_dir}); fix the path"
             )
-        return [path]
+        return {"auto_keep_16bit.heldout": path}
 
     def tools(self, recipe: Recipe) -> tuple[str, ...]:
         if recipe.quantization.method == "none":
