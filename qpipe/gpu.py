@@ -2,6 +2,10 @@
 
 Detection must stay cheap (it feeds `qpipe plan`'s keys), so it asks `nvidia-smi` and only uses
 torch when the process already imported it; no GPU means "none".
+
+What users see and type (engine aliases, registry manifests, `registry pull --arch`) calls a build
+without a GPU `cpu`: arch_name() is the one mapping. "none" stays what detection returns because
+it is part of existing build keys, and registries written before arch_name() record it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import sys
 from functools import lru_cache
 
 NO_GPU = "none"
+CPU_ARCH = "cpu"
 ARCH_PATTERN = re.compile(r"^sm\d{2,3}$")
 
 
@@ -57,3 +62,11 @@ def detect_arch() -> str:
 def resolve_arch(setting: str) -> str:
     """The recipe's build.arch: "auto" detects, anything else is taken as written."""
     return detect_arch() if setting == "auto" else setting
+
+
+def arch_name(arch: str) -> str:
+    """The arch as aliases, the registry and `--arch` name it: a build without a GPU (detected
+    "none", or "cpu" as typed) is "cpu", so `registry pull --arch cpu` finds what the alias
+    `...-cpu-...` names; GPU archs (sm80, ...) are unchanged apart from case and spaces."""
+    name = arch.strip().lower()
+    return CPU_ARCH if name in (NO_GPU, CPU_ARCH) else name

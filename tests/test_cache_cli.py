@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 from typer.testing import CliRunner
 
+from qpipe import cli
 from qpipe.cli import app
+from qpipe.store.base import DanglingAlias
 from qpipe.store.local import LocalStore
 
 
@@ -33,3 +38,67 @@ def test_push_then_pull_by_alias(tmp_path: Path) -> None:
     assert again.exit_code == 0 and "1 already there" in again.output
     same = runner.invoke(app, ["cache", "push", "--store", str(target), "--to", str(target)])
     assert same.exit_code == 1 and "same store" in same.output
+
+
+def _entry(store: LocalStore, key: str, payload: bytes) -> str:
+    with store.writer(key, "build") as built:
+        (built / "weights.bin").write_bytes(payload)
+        store.commit(key, "build", built, {}, None, {})
+    return key
+
+
+def test_gc_keep_recipe_removes_the_aliases_of_the_entries_it_deletes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = LocalStore(tmp_path / "store")
+    kept, dropped = _entry(store, "aa" * 32, b"kept"), _entry(store, "bb" * 32, b"dropped")
+    store.set_alias("smollm2-135m-cpu-int8-tp1", dropped, {"stage": "build", "arch": "cpu"})
+    store.set_alias("smollm2-135m-cpu-fp8-tp1", kept, {"stage": "build", "arch": "cpu"})
+    plan = SimpleNamespace(plan=lambda: [SimpleNamespace(key=kept), SimpleNamespace(key=None)])
+    monkeypatch.setattr(cli, "_pipeline", lambda path, store: plan)
+    runner = CliRunner()
+    recipe = str(tmp_path / "recipe.yaml")  # read by the stubbed _pipeline only
+    gc = runner.invoke(app, ["cache", "gc", "--keep-recipe", recipe, "--store", str(store.root)])
+    assert gc.exit_code == 0, gc.output
+    assert f"removed objects/{dropped}" in gc.output
+    assert "removed aliases/smollm2-135m-cpu-int8-tp1" in gc.output and "2 removed" in gc.output
+
+    listed = runner.invoke(app, ["cache", "ls", "--json", "--store", str(store.root)])
+    assert listed.exit_code == 0, listed.output
+    assert json.loads(listed.stdout)["aliases"] == {
+        "smollm2-135m-cpu-fp8-tp1": {"key": kept, "stage": "build", "arch": "cpu"}
+    }
+    pushed = runner.invoke(
+        app,
+        ["cache", "push", "smollm2-135m-cpu-int8-tp1", "--store", str(store.root), "--to",
+         str(tmp_path / "target")],
+    )  # fmt: skip
+    assert pushed.exit_code == 1 and "vanished" not in pushed.output
+    assert "is no key, key prefix or alias" in pushed.output
+
+
+def test_a_dangling_alias_says_which_entry_is_gone_and_how_to_fix_it(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    key = _entry(store, "cd" * 32, b"w")
+    store.set_alias("tiny-cpu-int8-tp1", key, {"stage": "build"})
+    store.quarantine(key, "corrupt")  # leaves the alias behind, as a gc before the fix did
+    with pytest.raises(DanglingAlias, match=r"'tiny-cpu-int8-tp1' points at entry cdcdcdcdcdcd"):
+        store.resolve_alias("tiny-cpu-int8-tp1")
+    assert store.resolve_alias("no-such-alias") is None
+
+    runner = CliRunner()
+    target = str(tmp_path / "target")
+    pushed = runner.invoke(
+        app, ["cache", "push", "tiny-cpu-int8-tp1", "--store", str(store.root), "--to", target]
+    )
+    assert pushed.exit_code == 1 and "vanished" not in pushed.output
+    message = " ".join(pushed.output.split())
+    assert "alias 'tiny-cpu-int8-tp1' points at entry cdcdcdcdcdcd" in message
+    assert "rebuild it" in message and "qpipe cache gc" in message
+    everything = runner.invoke(app, ["cache", "push", "--store", str(store.root), "--to", target])
+    assert everything.exit_code == 0 and "0 aliases set" in everything.output  # not copied
+    assert LocalStore(Path(target)).aliases() == {}
+
+    gc = runner.invoke(app, ["cache", "gc", "--store", str(store.root)])
+    assert gc.exit_code == 0 and "removed aliases/tiny-cpu-int8-tp1" in gc.output
+    assert store.aliases() == {}

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import pytest
 from typer.testing import CliRunner
 
+from qpipe.export.alias import engine_alias
+from qpipe.gpu import NO_GPU
 from qpipe.recipe import Recipe, parse_recipe
 from qpipe.registry.cli import registry_app
 from qpipe.registry.registry import Registry, RegistryError
@@ -58,15 +60,17 @@ def upstream(
     kld: float = 0.01,
     eval_passed: bool = True,
     compressed: dict[str, bytes] | None = None,
+    arch: str = "sm90",
 ) -> dict[str, str]:
-    """Committed convert/calibrate/build/evaluate/bench entries, as a pipeline run leaves them."""
+    """Committed convert/calibrate/build/evaluate/bench entries, as a pipeline run leaves them
+    (the build's arch as the build stage records it: "none" on a machine without a GPU)."""
     build_info = {
         "targets": ["trtllm-checkpoint", "compressed-tensors"],
-        "arch": "sm90",
+        "arch": arch,
         "tp": 1,
         "pp": 1,
         "quant": "int8",
-        "alias": ALIAS,
+        "alias": engine_alias(recipe(), arch),
     }
     compressed = compressed or {"config.json": b"{}", "model.safetensors": b"ct-weights"}
     return {
@@ -250,6 +254,57 @@ def test_registry_cli_on_s3_pulls_exactly_one_verified_artifact(
     with pytest.raises(RegistryError, match="does not match its checksum"):
         fleet.pull("smollm2-int8", "trtllm-checkpoint", tmp_path / "corrupt")
     assert not (tmp_path / "corrupt").exists()  # nothing half-verified is left behind
+
+
+def test_a_cpu_build_is_cpu_in_the_alias_the_registry_and_pull_arch(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    keys = upstream(store, arch=NO_GPU)  # what build.json says when no GPU was detected
+    publish(store, keys, tmp_path)
+    manifest = Registry(store).read("smollm2-int8")
+    alias = engine_alias(recipe(), NO_GPU)
+    assert alias == "smollm2-cpu-int8-tp1"
+    assert [(a.target, a.arch, a.alias) for a in manifest.artifacts] == [
+        ("trtllm-checkpoint", "cpu", alias),
+        ("compressed-tensors", "cpu", alias),
+    ]
+
+    runner = CliRunner()
+    listed = runner.invoke(registry_app, ["ls", "--store", str(store.root), "--json"])
+    assert json.loads(listed.stdout)[0]["targets"] == [
+        "trtllm-checkpoint@cpu",
+        "compressed-tensors@cpu",
+    ]
+    for arch in (["--arch", "cpu"], ["--arch", "none"], []):  # without --arch: any arch
+        dest = tmp_path / f"pulled{''.join(arch) or '-any'}"
+        args = ["pull", "smollm2-int8", "--target", "compressed-tensors", *arch, "--to", str(dest)]
+        pulled = runner.invoke(registry_app, [*args, "--store", str(store.root)])
+        assert pulled.exit_code == 0, pulled.output
+        assert "(cpu, 2 files" in pulled.output
+        assert (dest / "model.safetensors").read_bytes() == b"ct-weights"
+    wrong = runner.invoke(
+        registry_app,
+        ["pull", "smollm2-int8", "--target", "compressed-tensors", "--arch", "sm90",
+         "--to", str(tmp_path / "x"), "--store", str(store.root)],
+    )  # fmt: skip
+    assert wrong.exit_code == 1 and "compressed-tensors (cpu)" in wrong.output
+
+
+def test_registries_that_recorded_a_cpu_build_as_none_keep_working(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    keys = upstream(store, arch=NO_GPU)
+    publish(store, keys, tmp_path)
+    doc = "registry/smollm2-int8/1/manifest.json"
+    old = json.loads(store.read_document(doc))
+    for artifact in old["artifacts"]:
+        artifact["arch"] = "none"  # as publish wrote it before arch names were unified
+    store.write_document(doc, json.dumps(old).encode())
+
+    registry = Registry(store)
+    assert {a.arch for a in registry.read("smollm2-int8").artifacts} == {"cpu"}
+    _, record = registry.pull("smollm2-int8", "trtllm-checkpoint", tmp_path / "ckpt", arch="cpu")
+    assert record.arch == "cpu" and (tmp_path / "ckpt" / "rank0.safetensors").is_file()
+    again = publish(store, keys, tmp_path)  # the same content: still version 1
+    assert again["version"] == "1" and again["new_version"] is False
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from qpipe.store.base import StoreError
+from qpipe.store.base import DanglingAlias, StoreError
 from qpipe.store.entry import CorruptEntry
 from qpipe.store.factory import open_store
 from qpipe.store.local import LocalStore
@@ -207,3 +207,26 @@ def test_concurrent_committers_of_one_key_leave_one_valid_entry(
 
     late = commit(stores[1], KEY, os.urandom(10))  # a committer arriving after the winner
     assert late == winner
+
+
+def test_gc_removes_the_aliases_of_removed_entries_and_dangling_ones_say_why(
+    s3_env: S3Server, tmp_path: Path
+) -> None:
+    bucket = s3_env.bucket()
+    store = s3_store(s3_env, bucket, tmp_path / "machine-a")
+    other_key = "cd" * 32
+    commit(store, KEY, b"kept")
+    commit(store, other_key, b"dropped")
+    store.set_alias("smollm2-cpu-fp8-tp1", KEY, {"stage": "build"})
+    store.set_alias("smollm2-cpu-int8-tp1", other_key, {"stage": "build"})
+
+    removed = store.gc(keep={KEY})
+    assert f"entries/{other_key}" in removed and "aliases/smollm2-cpu-int8-tp1" in removed
+    assert set(store.aliases()) == {"smollm2-cpu-fp8-tp1"}
+    assert store.resolve_alias("smollm2-cpu-fp8-tp1") == {"key": KEY, "stage": "build"}
+
+    store.quarantine(KEY, "corrupt")  # the marker goes, the alias stays until the next gc
+    with pytest.raises(DanglingAlias, match=f"'smollm2-cpu-fp8-tp1' points at entry {KEY[:12]}"):
+        s3_store(s3_env, bucket, tmp_path / "machine-b").resolve_alias("smollm2-cpu-fp8-tp1")
+    assert "aliases/smollm2-cpu-fp8-tp1" in store.gc_remote(None)
+    assert store.aliases() == {}

@@ -14,7 +14,7 @@ from qpipe.hashing import HashCache
 from qpipe.pipeline import Pipeline
 from qpipe.recipe import parse_recipe
 from qpipe.stages.base import Stage, StageContext, StageResult
-from qpipe.store.base import Store, StoreError
+from qpipe.store.base import DanglingAlias, Store, StoreError
 from qpipe.store.entry import EntryMeta
 from qpipe.store.factory import open_store
 from qpipe.store.local import LocalStore
@@ -153,3 +153,27 @@ def test_pipeline_on_two_runners_shares_stages_and_rebuilds_a_corrupt_one(
     assert third_runs == Counter(quantize=1, build=1)  # corrupt quantize detected and rebuilt
     assert replanned["quantize"].status == "ran"
     assert (Path(replanned["build"].path) / "out.txt").read_text() == "convertquantizebuild"
+
+
+def test_gc_drops_aliases_only_where_their_entry_is_gone(s3_env: S3Server, tmp_path: Path) -> None:
+    bucket = s3_env.bucket()
+    store = open_store(f"s3://{bucket}/ci", local_cache=str(tmp_path / "runner"))
+    assert isinstance(store, TieredStore)
+    other_key = "ee" * 32
+    build(store, KEY, b"shared", stage="build")
+    build(store, other_key, b"pruned here", stage="build")
+    store.set_alias("smollm2-cpu-int8-tp1", other_key, {"stage": "build"})
+
+    removed = store.gc(keep={KEY})  # prunes the local tier only
+    assert f"objects/{other_key}" in removed and "aliases/smollm2-cpu-int8-tp1" in removed
+    assert store.local.aliases() == {}  # the local copy of the alias went with the entry,
+    record = store.resolve_alias("smollm2-cpu-int8-tp1")  # the bucket's still resolves
+    assert record == {"key": other_key, "stage": "build"}
+
+    store.remote.quarantine(other_key, "corrupt")
+    with pytest.raises(DanglingAlias, match=r"'smollm2-cpu-int8-tp1' points at entry eeee"):
+        store.resolve_alias("smollm2-cpu-int8-tp1")
+    with pytest.raises(DanglingAlias, match="rebuild it"):
+        copy_entries(store, LocalStore(tmp_path / "elsewhere"), ["smollm2-cpu-int8-tp1"])
+    assert "aliases/smollm2-cpu-int8-tp1" in store.gc()  # garbage in the bucket too
+    assert store.aliases() == {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from qpipe.gpu import arch_name
 from qpipe.quant.config import QuantizationConfig
 from qpipe.recipe import Recipe
 
@@ -31,7 +32,7 @@ def engine_alias(recipe: Recipe, arch: str) -> str:
     build = recipe.build
     parts = [
         recipe.model_name,
-        "cpu" if arch == "none" else arch,  # built on a machine without a GPU
+        arch_name(arch),  # "cpu" when built without a GPU, as the registry records it
         quant_name(recipe.quantization, recipe.model.dtype),
         f"tp{build.tp}",
     ]

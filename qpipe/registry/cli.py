@@ -120,7 +120,11 @@ def registry_pull(
     target: Annotated[str, typer.Option("--target", help="Build target, e.g. trtllm-engine.")],
     to: Annotated[Path, typer.Option("--to", help="New or empty directory for the artifact.")],
     arch: Annotated[
-        str | None, typer.Option("--arch", help="GPU arch (sm80, sm90, ...) it must be built for.")
+        str | None,
+        typer.Option(
+            "--arch",
+            help="Arch it must be built for: sm80, sm90, ... or cpu (default: any, newest first).",
+        ),
     ] = None,
     store: StoreOption = None,
 ) -> None:

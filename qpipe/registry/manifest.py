@@ -11,7 +11,9 @@ import hashlib
 import json
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+
+from qpipe.gpu import arch_name
 
 
 def manifest_doc(name: str, version: str) -> str:
@@ -35,6 +37,14 @@ class ArtifactRecord(BaseModel):
     quant: str | None = None
     files: int
     size: int
+
+    @field_validator("arch")
+    @classmethod
+    def _arch(cls, value: str | None) -> str | None:
+        """One name per arch (a CPU build is "cpu"), whether the build recorded "none" (what
+        detection returns) or the manifest was published before: `ls`, `pull --arch` and the
+        content digest then agree across old and new versions."""
+        return arch_name(value) if value is not None else None
 
 
 class StageRecord(BaseModel):
@@ -89,7 +99,10 @@ class Manifest(BaseModel):
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
     def artifact(self, target: str, arch: str | None = None) -> ArtifactRecord | None:
+        """The first `target` artifact, built for `arch` when given ("none" and "cpu" both mean a
+        CPU build)."""
+        wanted = arch_name(arch) if arch is not None else None
         for record in self.artifacts:
-            if record.target == target and (arch is None or record.arch == arch):
+            if record.target == target and (wanted is None or record.arch == wanted):
                 return record
         return None

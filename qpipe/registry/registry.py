@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from qpipe.gpu import arch_name
 from qpipe.registry.manifest import ArtifactRecord, Manifest, latest_doc, manifest_doc
 from qpipe.store.base import Store
 from qpipe.store.entry import CorruptEntry
@@ -118,8 +119,9 @@ class Registry:
     def find(
         self, ref: str, target: str, arch: str | None = None
     ) -> tuple[Manifest, ArtifactRecord]:
-        """The artifact for `target` (and `arch`): in the named version, or else the newest
-        version that has one."""
+        """The artifact for `target` (and `arch`, named as arch_name() does: "cpu" or "none" for
+        a CPU build): in the named version, or else the newest version that has one. Without
+        `arch`, any arch will do."""
         name, version = parse_ref(ref)
         if version is not None:
             candidates = [self.read(name, version)]
@@ -132,7 +134,7 @@ class Registry:
             if record is not None:
                 return manifest, record
         have = sorted({f"{a.target} ({a.arch})" for m in candidates for a in m.artifacts})
-        wanted = target + (f" for {arch}" if arch else "")
+        wanted = target + (f" for {arch_name(arch)}" if arch else "")
         raise RegistryError(f"{ref} has no {wanted} artifact (it has: {', '.join(have) or 'none'})")
 
     def pull(

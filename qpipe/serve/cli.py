@@ -15,7 +15,7 @@ def resolve_model_path(arg: str, store: str | None = None) -> Path:
     path = Path(arg).expanduser()
     if path.is_dir():
         return path
-    from qpipe.store.base import StoreError
+    from qpipe.store.base import DanglingAlias, StoreError
     from qpipe.store.factory import open_store
 
     try:
@@ -28,6 +28,8 @@ def resolve_model_path(arg: str, store: str | None = None) -> Path:
                 param_hint="MODEL",
             )
         entry = opened.open(record["key"])
+    except DanglingAlias as exc:
+        raise typer.BadParameter(str(exc), param_hint="MODEL") from exc
     except StoreError as exc:
         raise typer.BadParameter(str(exc), param_hint="--store") from exc
     artifact = entry / "qpipe"

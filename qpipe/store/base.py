@@ -19,6 +19,20 @@ class StoreError(Exception):
     """The store cannot be used (unreachable, no permission, bad location)."""
 
 
+class DanglingAlias(StoreError):
+    """An alias whose entry is gone (removed by gc, quarantined, lost): says which, and what to do,
+    instead of a KeyError or a "vanished during the copy" far from the cause."""
+
+    def __init__(self, alias: str, key: str, location: str):
+        self.alias, self.key, self.location = alias, key, location
+        super().__init__(
+            f"alias {alias!r} points at entry {key[:12]}, which is no longer in {location} "
+            "(garbage-collected, quarantined or deleted): rebuild it with "
+            "`qpipe run` on its recipe (which moves the alias to the new entry), or drop the "
+            "alias with `qpipe cache gc`, which removes aliases whose entry is gone"
+        )
+
+
 class Store(ABC):
     """Content-addressed entries, human aliases, and small named documents (manifests, registry)."""
 
@@ -79,17 +93,28 @@ class Store(ABC):
 
     @abstractmethod
     def gc(self, keep: set[str] | None = None) -> list[str]:
-        """Remove abandoned temp dirs and quarantined entries (and, given `keep`, all others)."""
+        """Remove abandoned temp dirs and quarantined entries (and, given `keep`, all others),
+        then every alias whose entry is gone (`aliases/<name>` in the result), so no alias is left
+        pointing at nothing."""
 
     @abstractmethod
     def set_alias(self, alias: str, key: str, info: dict[str, Any]) -> None: ...
 
     @abstractmethod
     def resolve_alias(self, alias: str) -> dict[str, Any] | None:
-        """The alias record ({"key": ..., plus info}), or None."""
+        """The alias record ({"key": ..., plus info}), or None; DanglingAlias when the alias
+        exists but its entry does not."""
 
     @abstractmethod
-    def aliases(self) -> dict[str, dict[str, Any]]: ...
+    def aliases(self) -> dict[str, dict[str, Any]]:
+        """Every alias record as stored, dangling ones included (gc drops those)."""
+
+    def _checked_alias(self, alias: str, record: dict[str, Any] | None) -> dict[str, Any] | None:
+        """`record` if its entry exists here; a resolved alias is about to be opened, and a
+        missing entry must name the alias rather than surface later as a bare key."""
+        if record is not None and self.lookup(record["key"]) is None:
+            raise DanglingAlias(alias, record["key"], self.location)
+        return record
 
     @abstractmethod
     def write_document(self, name: str, data: bytes) -> None:

@@ -176,6 +176,19 @@ class LocalStore(Store):
                 if meta.key not in keep:
                     self.remove(meta.key)
                     removed.append(f"objects/{meta.key}")
+        return removed + self._drop_dangling_aliases()
+
+    def _drop_dangling_aliases(self) -> list[str]:
+        """Delete aliases whose entry is gone: left behind, they are listed by `cache ls --json`
+        and make `cache push ALIAS` fail far from the cause. A run commits its entry before it
+        moves the alias, so only an alias moved in the instant between check and unlink is lost."""
+        removed = []
+        for path in sorted((self.root / "aliases").glob("*.json")):
+            record = self._alias_record(path.stem)
+            if record is None or self.lookup(record["key"]) is not None:
+                continue
+            path.unlink(missing_ok=True)
+            removed.append(f"aliases/{path.stem}")
         return removed
 
     def set_alias(self, alias: str, key: str, info: dict[str, Any]) -> None:
@@ -185,8 +198,15 @@ class LocalStore(Store):
         )
 
     def resolve_alias(self, alias: str) -> dict[str, Any] | None:
+        return self._checked_alias(alias, self._alias_record(alias))
+
+    def _alias_record(self, alias: str) -> dict[str, Any] | None:
+        """The stored record, whether or not its entry exists (resolve_alias checks that)."""
         path = self.root / "aliases" / f"{alias}.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
 
     def aliases(self) -> dict[str, dict[str, Any]]:
         return {

@@ -374,7 +374,9 @@ class S3Store(Store):
 
     def gc_remote(self, keep: set[str] | None = None) -> list[str]:
         """Quarantined entries, uploads no marker points to (older than stale_upload_s), abandoned
-        multipart uploads, and (with `keep`) entries not in it."""
+        multipart uploads, (with `keep`) entries not in it, and then aliases whose entry is gone:
+        those are garbage for every machine sharing the bucket, so even a gc without `keep` (the
+        two-tier store's) drops them."""
         removed = []
         for obj in self._list(self._path("corrupt") + "/"):
             record = json.loads(self._get(obj["Key"]) or b"{}")
@@ -408,7 +410,22 @@ class S3Store(Store):
                         Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
                     )
                     removed.append(f"multipart/{upload['Key']}")
-        return sorted(set(removed))
+        return sorted(set(removed)) + self._drop_dangling_aliases()
+
+    def _drop_dangling_aliases(self) -> list[str]:
+        """Delete aliases whose marker is gone (after gc or quarantine), so `cache ls` and `cache
+        push` never meet them. A run puts its marker before the alias, so only an alias moved in
+        the instant between check and delete is lost."""
+        removed = []
+        for obj in list(self._list(self._path("aliases") + "/")):
+            alias = obj["Key"].rsplit("/", 1)[-1].removesuffix(".json")
+            record = self._alias_record(alias)
+            if record is None or self.lookup(record["key"]) is not None:
+                continue
+            with self._errors(f"remove alias {alias}"):
+                self.client.delete_object(Bucket=self.bucket, Key=obj["Key"])
+            removed.append(f"aliases/{alias}")
+        return removed
 
     # -- aliases and documents ---------------------------------------------------------------
 
@@ -416,6 +433,10 @@ class S3Store(Store):
         self._put(self._path("aliases", f"{alias}.json"), json.dumps({"key": key, **info}).encode())
 
     def resolve_alias(self, alias: str) -> dict[str, Any] | None:
+        return self._checked_alias(alias, self._alias_record(alias))
+
+    def _alias_record(self, alias: str) -> dict[str, Any] | None:
+        """The stored record, whether or not its entry exists (resolve_alias checks that)."""
         data = self._get(self._path("aliases", f"{alias}.json"))
         return json.loads(data) if data is not None else None
 
@@ -423,7 +444,7 @@ class S3Store(Store):
         found = {}
         for obj in self._list(self._path("aliases") + "/"):
             alias = obj["Key"].rsplit("/", 1)[-1].removesuffix(".json")
-            record = self.resolve_alias(alias)
+            record = self._alias_record(alias)
             if record is not None:
                 found[alias] = record
         return found

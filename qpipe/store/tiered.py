@@ -103,7 +103,9 @@ class TieredStore(Store):
 
     def gc(self, keep: set[str] | None = None) -> list[str]:
         """Prunes the local tier by `keep`; in the shared bucket only garbage (other machines'
-        entries are not this run's to judge — prune the bucket with `--store s3://...` itself)."""
+        entries are not this run's to judge — prune the bucket with `--store s3://...` itself).
+        Each tier drops its own aliases whose entry it lost; a local alias copy can go while the
+        bucket still holds the entry, since resolve_alias reads the bucket's alias first."""
         return self.local.gc(keep) + self.remote.gc_remote(None)
 
     def set_alias(self, alias: str, key: str, info: dict[str, Any]) -> None:
@@ -111,7 +113,13 @@ class TieredStore(Store):
         self.remote.set_alias(alias, key, info)
 
     def resolve_alias(self, alias: str) -> dict[str, Any] | None:
-        return self.remote.resolve_alias(alias) or self.local.resolve_alias(alias)
+        """The bucket's record, else the local tier's (an entry that was built here but not
+        shared); an entry in either tier will do, since open() downloads a remote one."""
+        records = [self.remote._alias_record(alias), self.local._alias_record(alias)]
+        for record in records:
+            if record is not None and self.lookup(record["key"]) is not None:
+                return record
+        return self._checked_alias(alias, next((r for r in records if r is not None), None))
 
     def aliases(self) -> dict[str, dict[str, Any]]:
         return {**self.local.aliases(), **self.remote.aliases()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from qpipe.store.base import Store, StoreError
+from qpipe.store.base import DanglingAlias, Store, StoreError
 
 
 @dataclass
@@ -28,15 +28,21 @@ class TransferReport:
 
 def resolve_refs(store: Store, refs: Sequence[str]) -> tuple[list[str], dict[str, dict]]:
     """Entry keys and alias records named by `refs` (keys, unique key prefixes or aliases);
-    no refs means every entry and alias of the store."""
+    no refs means every entry of the store and the aliases that point at one (a dangling alias
+    is not copied: it would dangle in the target too). Naming a dangling alias is a DanglingAlias
+    error that says how to fix it."""
     aliases = store.aliases()
     if not refs:
-        return [meta.key for meta in store.entries()], aliases
+        keys = [meta.key for meta in store.entries()]
+        present = set(keys)
+        return keys, {alias: r for alias, r in aliases.items() if r["key"] in present}
     keys: list[str] = []
     chosen: dict[str, dict] = {}
     all_keys: list[str] | None = None
     for ref in refs:
         if ref in aliases:
+            if store.lookup(aliases[ref]["key"]) is None:
+                raise DanglingAlias(ref, aliases[ref]["key"], store.location)
             chosen[ref] = aliases[ref]
             keys.append(aliases[ref]["key"])
             continue
