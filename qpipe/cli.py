@@ -189,7 +189,8 @@ def run(
 ) -> None:
     """Run the recipe's missing stages in order; cached stages are skipped.
 
-    Exit codes: 0 done, 1 a stage failed or is not available, 2 bad recipe, 3 a gate failed.
+    Exit codes: 0 done, 1 a stage failed or is not available or a build target could not be
+    built, 2 bad recipe, 3 an accuracy or throughput gate failed.
     """
     from qpipe.pipeline import manifest
     from qpipe.stages.base import StageError
@@ -208,13 +209,15 @@ def run(
     # SIGTERM (`kill PID`, a CI job or container being stopped) unwinds like Ctrl-C: the running
     # stage removes its temp dir and the bench stage stops its server, instead of leaving it
     # serving with no parent
-    signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         # NOTE: stdout is for the result (table or --json); stages' progress and logs go to stderr.
         with contextlib.redirect_stdout(sys.stderr):
             planned = pipeline.run(until=until, force=tuple(force or ()), on_event=_stage_event)
     except (StageError, StoreError) as exc:
         raise error(str(exc)) from exc
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     record = manifest(loaded, recipe, planned, pipeline.store)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
     name = f"runs/{loaded.name}/{stamp}/manifest.json"

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from qpipe.console import console, out
+from qpipe.console import console, error, out
 from qpipe.registry.registry import Registry, RegistryError, parse_ref
 from qpipe.store.base import StoreError
 
@@ -26,18 +26,13 @@ StoreOption = Annotated[
 JsonOption = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 
 
-def _fail(message: str) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(1)
-
-
 def _registry(location: str | None) -> Registry:
     from qpipe.store.factory import open_store
 
     try:
         return Registry(open_store(location))
     except StoreError as exc:
-        raise _fail(str(exc)) from exc
+        raise error(str(exc)) from exc
 
 
 @registry_app.command("ls")
@@ -59,7 +54,7 @@ def registry_ls(store: StoreOption = None, as_json: JsonOption = False) -> None:
                 }
             )
     except (RegistryError, StoreError) as exc:
-        raise _fail(str(exc)) from exc
+        raise error(str(exc)) from exc
     if as_json:
         out.print_json(json.dumps(rows))
         return
@@ -89,7 +84,7 @@ def registry_show(
     try:
         manifest = registry.read(*parse_ref(ref))
     except (RegistryError, StoreError) as exc:
-        raise _fail(str(exc)) from exc
+        raise error(str(exc)) from exc
     if as_json:
         out.print_json(manifest.model_dump_json())
         return
@@ -133,7 +128,7 @@ def registry_pull(
     try:
         manifest, record = registry.pull(ref, target, to, arch)
     except (RegistryError, StoreError) as exc:
-        raise _fail(str(exc)) from exc
+        raise error(str(exc)) from exc
     console.print(
         f"pulled {manifest.name}@{manifest.version} {record.target} ({record.arch}, "
         f"{record.files} files, {record.size / 2**20:.1f} MiB, verified) into {to}",
@@ -155,7 +150,7 @@ def registry_push(
     try:
         published = registry.push(ref, target)
     except (RegistryError, StoreError) as exc:
-        raise _fail(str(exc)) from exc
+        raise error(str(exc)) from exc
     manifest = published.manifest
     state = "pushed" if published.new else "already there:"
     console.print(f"{state} {manifest.name}@{manifest.version} -> {to}", highlight=False)
