@@ -278,6 +278,8 @@ def _check_model_fit(recipe_path: Path, recipe: Recipe, pipeline: Any, forced: b
 @recipe_app.command("validate")
 def recipe_validate(files: list[Path]) -> None:
     """Validate recipe files; every problem is printed as file:line path: message."""
+    from qpipe.pipeline import missing_inputs
+
     bad = 0
     for path in files:
         try:
@@ -287,10 +289,12 @@ def recipe_validate(files: list[Path]) -> None:
             for problem in exc.problems:
                 console.print(f"[red]{escape(problem)}[/]", highlight=False, soft_wrap=True)
             continue
-        problem = _model_problem(recipe, path)
-        if problem:
+        problems = [f"{path}: {p}" for p in missing_inputs(recipe, path.resolve().parent)]
+        problems += filter(None, [_model_problem(recipe, path)])
+        if problems:
             bad += 1
-            console.print(f"[red]{escape(problem)}[/]", highlight=False, soft_wrap=True)
+            for problem in problems:
+                console.print(f"[red]{escape(problem)}[/]", highlight=False, soft_wrap=True)
             continue
         out.print(f"[green]ok[/] {path}: {recipe.name} ({recipe.quantization.method})")
     if bad:

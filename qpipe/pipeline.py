@@ -84,6 +84,22 @@ def stage_enabled(name: str, stage: Stage | None, recipe: Recipe) -> bool:
     return stage.enabled(recipe) if stage is not None else True
 
 
+def missing_inputs(recipe: Recipe, recipe_dir: Path) -> list[str]:
+    """The data files the recipe names that are not there (calibration, evaluation, held-out
+    text), as the run would report them, without hashing anything. The model source is left
+    out: it may live on the machine that runs the recipe (a GPU box's Hugging Face cache)."""
+    problems = []
+    for name in STAGE_ORDER:
+        stage = load_stage(name)
+        if name == "convert" or stage is None or not stage_enabled(name, stage, recipe):
+            continue
+        try:
+            stage.input_files(recipe, recipe_dir)
+        except StageError as exc:
+            problems.append(str(exc))
+    return problems
+
+
 @dataclass
 class Pipeline:
     recipe: Recipe

@@ -185,6 +185,22 @@ def test_group_size_that_does_not_divide_the_model_fails_validation(tmp_path: Pa
     assert not (store / "objects").exists() or not any((store / "objects").iterdir())
 
 
+def test_validate_reports_data_files_that_are_not_there(tmp_path: Path) -> None:
+    """A recipe whose calibration or evaluation data is missing is not 'ok': the run would stop
+    on it after minutes of convert."""
+    recipe = tmp_path / "recipes" / "r.yaml"
+    recipe.parent.mkdir()
+    text = (REPO / "recipes" / "smollm2-135m-int8.yaml").read_text()
+    recipe.write_text(text.replace("evaluate:\n", "evaluate:\n  text: ../heldout.txt\n"))
+    result = CliRunner().invoke(app, ["recipe", "validate", str(recipe)])
+    assert result.exit_code == 2, result.output
+    assert "calibration.dataset: " in result.output and "evaluate.text: " in result.output
+    (tmp_path / "calibration").symlink_to(REPO / "calibration")
+    (tmp_path / "heldout.txt").write_text("Some held-out text.\n")
+    result = CliRunner().invoke(app, ["recipe", "validate", str(recipe)])
+    assert result.exit_code == 0, result.output
+
+
 def test_recipe_errors_print_brackets_as_text(tmp_path: Path) -> None:
     """A problem quoting a pattern (`^[a-z0-9]...`) is not eaten as rich markup."""
     bad = tmp_path / "upper.yaml"
