@@ -259,9 +259,12 @@ def _check_model_fit(recipe_path: Path, recipe: Recipe, pipeline: Any, forced: b
     """A group size the model cannot take is a recipe error (exit 2, file:line) before convert
     and calibrate spend minutes on it. Checked only when quantize is to run: reading a GGUF
     header takes seconds, and a finished recipe's re-run must stay instant."""
+    from qpipe.quant.group_size import weight_group
     from qpipe.stages.base import StageError
     from qpipe.store.base import StoreError
 
+    if weight_group(recipe.quantization) is None:
+        return  # no groups to check: no second plan of the stages
     if not forced:
         try:
             planned = pipeline.plan(until="quantize")

@@ -106,7 +106,9 @@ def test_editing_one_sample_rekeys_calibrate_not_convert(
 def test_directory_dataset_is_declared_whole(smollm2_checkpoint: Path, tmp_path: Path) -> None:
     recipe = parse_recipe(recipe_text(smollm2_checkpoint, "saved"))
     (tmp_path / "saved").mkdir()
-    assert CalibrateStage().input_files(recipe, tmp_path) == {"dataset": tmp_path / "saved"}
+    assert CalibrateStage().input_files(recipe, tmp_path) == {
+        "calibration.dataset": tmp_path / "saved"
+    }
     missing = parse_recipe(recipe_text(smollm2_checkpoint, "missing.jsonl"))
     with pytest.raises(StageError, match=r"calibration.dataset: .*missing.jsonl does not exist"):
         CalibrateStage().input_files(missing, tmp_path)

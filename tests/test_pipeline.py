@@ -37,7 +37,7 @@ class FakeStage(Stage):
 
     def input_files(self, recipe: Recipe, recipe_dir: Path) -> dict[str, Path]:
         if self.name == "calibrate" and recipe.calibration is not None:
-            return {"dataset": recipe_dir / recipe.calibration.dataset}
+            return {"calibration.dataset": recipe_dir / recipe.calibration.dataset}
         return {}
 
     def run(self, ctx: StageContext) -> StageResult:

@@ -76,13 +76,10 @@ class OpenAIServingChat(OpenAIServing):
         content = []
         for token_id, candidates in zip(token_ids, logprobs, strict=False):
             top = sorted(candidates.items(), key=lambda kv: -kv[1])[:k]
-            token = self.tokenizer.decode([token_id])
+            chosen = self._top_logprob(token_id, candidates.get(token_id, float("-inf")))
             content.append(
                 ChatTokenLogprob(
-                    token=token,
-                    logprob=candidates.get(token_id, float("-inf")),
-                    bytes=list(token.encode()),
-                    top_logprobs=[self._top_logprob(t, lp) for t, lp in top],
+                    **chosen.model_dump(), top_logprobs=[self._top_logprob(*kv) for kv in top]
                 )
             )
         return ChatLogprobs(content=content)

@@ -33,6 +33,24 @@ class StageError(Exception):
     """A stage failed for a reason the user can act on (bad data, missing tool, ...)."""
 
 
+def recipe_path(value: str, recipe_dir: Path) -> Path:
+    """A path a recipe names: a relative one is read from the recipe's directory."""
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else (recipe_dir / path).resolve()
+
+
+def input_path(field: str, value: str, recipe_dir: Path, file_only: bool = False) -> Path:
+    """`recipe_path` of a stage's input, or a StageError that names the recipe field when nothing
+    (or, with `file_only`, no file) is there."""
+    path = recipe_path(value, recipe_dir)
+    if not (path.is_file() if file_only else path.exists()):
+        raise StageError(
+            f"{field}: {path} {'is not a file' if file_only else 'does not exist'} (a relative "
+            f"path is resolved from the recipe's directory, {recipe_dir}); fix the path"
+        )
+    return path
+
+
 @dataclass(frozen=True)
 class GateVerdict:
     """The outcome of a stage's accuracy/throughput gates: failures are human-readable lines."""
@@ -61,8 +79,7 @@ class StageContext:
 
     def resolve(self, path: str) -> Path:
         """A path from the recipe, relative to the recipe file's directory."""
-        candidate = Path(path).expanduser()
-        return candidate if candidate.is_absolute() else (self.recipe_dir / candidate).resolve()
+        return recipe_path(path, self.recipe_dir)
 
 
 class Stage(ABC):
@@ -79,9 +96,9 @@ class Stage(ABC):
 
     def input_files(self, recipe: Recipe, recipe_dir: Path) -> dict[str, Path]:
         """Files whose content goes into the key (hashed, with a stat-keyed cache), by the role
-        each plays ("dataset", "tasks[0].data_files.test"): content and role decide the key, not
-        where the file lies or what it is called. Raises StageError for a file that is not
-        there."""
+        each plays, the recipe field that names it ("calibration.dataset",
+        "evaluate.tasks[0].data_files.test"): content and role decide the key, not where the file
+        lies or what it is called. Raises StageError for a file that is not there."""
         return {}
 
     def tools(self, recipe: Recipe) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from qpipe.quant.config import CalibrationConfig
 from qpipe.recipe import Recipe
-from qpipe.stages.base import Stage, StageContext, StageError, StageResult
+from qpipe.stages.base import Stage, StageContext, StageError, StageResult, input_path
 
 
 class _CalibrateSection(BaseModel):
@@ -29,11 +29,6 @@ def _config(recipe: Recipe) -> CalibrationConfig:
     return recipe.calibration
 
 
-def _dataset_path(config: CalibrationConfig, recipe_dir: Path) -> Path:
-    path = Path(config.dataset).expanduser()
-    return path if path.is_absolute() else (recipe_dir / path).resolve()
-
-
 class CalibrateStage(Stage):
     name = "calibrate"
     version = 1
@@ -43,14 +38,8 @@ class CalibrateStage(Stage):
         return _CalibrateSection(settings=_config(recipe).model_dump(exclude={"dataset"}))
 
     def input_files(self, recipe: Recipe, recipe_dir: Path) -> dict[str, Path]:
-        config = _config(recipe)
-        path = _dataset_path(config, recipe_dir)
-        if not path.exists():
-            raise StageError(
-                f"calibration.dataset: {path} does not exist (a relative path is resolved from "
-                f"the recipe's directory, {recipe_dir}); fix the path"
-            )
-        return {"dataset": path}
+        path = input_path("calibration.dataset", _config(recipe).dataset, recipe_dir)
+        return {"calibration.dataset": path}
 
     def tools(self, recipe: Recipe) -> tuple[str, ...]:
         return ("transformers", "tokenizers")
@@ -62,9 +51,7 @@ class CalibrateStage(Stage):
 
         config = _config(ctx.recipe)
         tokenizer = AutoTokenizer.from_pretrained(ctx.inputs["convert"])
-        calibration_set = build_calibration_set(
-            config, _dataset_path(config, ctx.recipe_dir), tokenizer
-        )
+        calibration_set = build_calibration_set(config, ctx.resolve(config.dataset), tokenizer)
         calibration_set.save(ctx.out_dir)
         stats = calibration_set.stats
         return StageResult(

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from qpipe.evaluate.config import EvaluateConfig
 from qpipe.recipe import Recipe
-from qpipe.stages.base import MetricValue, Stage, StageContext, StageError, StageResult
+from qpipe.stages.base import MetricValue, Stage, StageContext, StageError, StageResult, input_path
 
 HEADLINE = ("ppl_ratio", "kld_mean", "kld_p99", "top1_agreement")
 
@@ -46,17 +46,7 @@ class EvaluateStage(Stage):
                 named[f"evaluate.tasks[{i}].data_files.{split}"] = path
             if task.config:
                 named[f"evaluate.tasks[{i}].config"] = task.config
-        files = {}
-        for role, value in named.items():
-            path = Path(value).expanduser()
-            path = path if path.is_absolute() else (recipe_dir / path).resolve()
-            if not path.exists():
-                raise StageError(
-                    f"{role}: {path} does not exist (a relative path is resolved from the "
-                    f"recipe's directory, {recipe_dir}); fix the path"
-                )
-            files[role] = path
-        return files
+        return {field: input_path(field, value, recipe_dir) for field, value in named.items()}
 
     def tools(self, recipe: Recipe) -> tuple[str, ...]:
         return ("torch", "transformers", "compressed-tensors", "lm_eval", "datasets")

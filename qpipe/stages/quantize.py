@@ -27,6 +27,7 @@ from qpipe.stages.base import (
     StageContext,
     StageError,
     StageResult,
+    input_path,
 )
 
 QUANT_JSON = "qpipe_quant.json"
@@ -69,14 +70,8 @@ class QuantizeStage(Stage):
         auto = recipe.quantization.auto_keep_16bit
         if auto is None or auto.heldout is None:
             return {}
-        path = Path(auto.heldout).expanduser()
-        path = path if path.is_absolute() else (recipe_dir / path).resolve()
-        if not path.is_file():
-            raise StageError(
-                f"quantization.auto_keep_16bit.heldout: {path} is not a file (relative paths are "
-                f"resolved from the recipe's directory, {recipe_dir}); fix the path"
-            )
-        return {"auto_keep_16bit.heldout": path}
+        field = "quantization.auto_keep_16bit.heldout"
+        return {field: input_path(field, auto.heldout, recipe_dir, file_only=True)}
 
     def tools(self, recipe: Recipe) -> tuple[str, ...]:
         if recipe.quantization.method == "none":

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from qpipe.store.base import DanglingAlias, Store, StoreError
+from qpipe.store.base import Store, StoreError
 
 
 @dataclass
@@ -41,8 +41,7 @@ def resolve_refs(store: Store, refs: Sequence[str]) -> tuple[list[str], dict[str
     all_keys: list[str] | None = None
     for ref in refs:
         if ref in aliases:
-            if store.lookup(aliases[ref]["key"]) is None:
-                raise DanglingAlias(ref, aliases[ref]["key"], store.location)
+            store.resolve_alias(ref)  # raises DanglingAlias for an alias whose entry is gone
             chosen[ref] = aliases[ref]
             keys.append(aliases[ref]["key"])
             continue
