@@ -466,8 +466,6 @@ def test_weight_only_kernels_equal_the_exact_product(
         with monkeypatch.context() as eager:  # no kernels: eager, from the tiles
             eager.setattr(cpu_kernels, "load", lambda: False)
             check(x)
-    x3 = torch.randn(2, 3, in_features, generator=gen).to(dtype)  # leading dims are kept
-    assert layer(x3).shape == (2, 3, out_features)
     assert layer(torch.zeros(0, in_features, dtype=dtype)).shape == (0, out_features)
 
 
@@ -750,7 +748,6 @@ def test_dense_tile_kernel_equals_the_exact_product(monkeypatch: pytest.MonkeyPa
             exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
             atol = 1e-6 * exact.abs().max().item()
             torch.testing.assert_close(layer(x).double(), exact, atol=atol, rtol=0)
-        assert layer(torch.randn(2, 3, 200, generator=gen)).shape == (2, 3, 130)
         assert layer(torch.zeros(0, 200)).shape == (0, 130)  # a step in which no row samples
     tiles = cpu_kernels.tiled(weight)
     with pytest.raises(RuntimeError, match="takes float32 or bfloat16 inputs"):

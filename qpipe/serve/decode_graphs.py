@@ -20,7 +20,7 @@ import logging
 import torch
 from torch import nn
 
-from qpipe.serve.layers.attention import AttentionMetadata
+from qpipe.serve.layers.attention import AttentionMetadata, layer_caches
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class DecodeGraphs:
         scratch_block: int,
     ) -> None:
         self.model = model
-        self.kv_cache = kv_cache
+        self.layer_caches = layer_caches(kv_cache)
         self.buckets = batch_buckets(max_batch)
         self.max_blocks_per_seq = max_blocks_per_seq
         self._scratch_block = scratch_block
@@ -123,7 +123,7 @@ class DecodeGraphs:
         return self.model(
             self.input_ids[:bucket],
             self.positions[:bucket],
-            self.kv_cache,
+            self.layer_caches,
             meta,
             self.logits_indices[:bucket],
         )

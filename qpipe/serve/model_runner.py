@@ -16,7 +16,7 @@ from qpipe.serve.config import EngineConfig
 from qpipe.serve.decode_graphs import DecodeGraphs
 from qpipe.serve.host_memory import keep_freed_memory
 from qpipe.serve.layers import cpu_kernels, triton_attention
-from qpipe.serve.layers.attention import AttentionMetadata, PrefillSpan
+from qpipe.serve.layers.attention import AttentionMetadata, PrefillSpan, layer_caches
 from qpipe.serve.layers.linear import FP8_CAPABILITY
 from qpipe.serve.layers.sampler import sample, token_logprobs
 from qpipe.serve.loader import load_model, read_config_json, resolve_dtype
@@ -106,6 +106,7 @@ class ModelRunner:
             self.num_layers, 2, self.num_kv_blocks + 1, self.block_size, self.num_kv_heads,
             self.head_dim, dtype=self.kv_cache_dtype, device=self.device,
         )  # fmt: skip
+        self.layer_caches = layer_caches(self.kv_cache)
         log.info(
             "KV cache: %d blocks of %d tokens in %s (%.2f GiB); max concurrency at max_model_len "
             "%d: %.1f; steps of at most %d tokens",
@@ -182,7 +183,7 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(DecodeRows(), items)
         with torch.inference_mode():
             last = torch.tensor([tokens - 1], device=self.device)
-            return self.model(input_ids, positions, scratch, meta, last)
+            return self.model(input_ids, positions, layer_caches(scratch), meta, last)
 
     def _profile_gpu_free_bytes(self, max_len: int) -> int:
         """Run the biggest batch the scheduler may form, then hand the KV cache what is left of
@@ -232,7 +233,7 @@ class ModelRunner:
             if prompt_rows.flat:
                 indices = torch.cat([indices, torch.tensor(prompt_rows.flat, dtype=torch.long)])
             hidden = self.model.final_hidden(
-                input_ids, positions, self.kv_cache, meta, indices.to(self.device)
+                input_ids, positions, self.layer_caches, meta, indices.to(self.device)
             )
             logits = self.model.compute_logits(hidden[: len(sampling)])
             # prompt rows projected a slice at a time: a 2,048-token chunk's [rows, vocab] logits

@@ -32,9 +32,7 @@ def gated_mlp(gate_up: LinearBase, down: LinearBase, x: torch.Tensor) -> torch.T
         and cpu_kernels.usable(x)
         and x.stride(-1) == 1
     ):
-        x2 = x.reshape(-1, x.shape[-1])
-        out = cpu_kernels.ops.int8_gated_mlp(
-            x2, *gate_up.cpu_operands(), *down.cpu_operands(), down.bias
+        return cpu_kernels.ops.int8_gated_mlp(
+            x, *gate_up.cpu_operands(), *down.cpu_operands(), down.bias
         )
-        return out.reshape(*x.shape[:-1], out.shape[-1])
     return down(silu_and_mul(gate_up(x)))

@@ -7,6 +7,7 @@ checkpoints, compressed-tensors checkpoints and qpipe artifacts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from qpipe.serve.layers.activation import gated_mlp
-from qpipe.serve.layers.attention import AttentionMetadata, paged_attention
+from qpipe.serve.layers.attention import AttentionMetadata, LayerCache, paged_attention
 from qpipe.serve.layers.linear import DenseLinear, LinearBase
 from qpipe.serve.layers.norm import RMSNorm
 from qpipe.serve.layers.rotary import RotaryEmbedding, RotaryTables
@@ -58,7 +59,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         rotary: RotaryTables,
-        kv_cache: torch.Tensor,
+        cache: LayerCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream before it): the residual add of each sub-block is
@@ -66,7 +67,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.input_layernorm(hidden, residual)
         qkv = self.qkv_proj(hidden)
         q, k, v = rotary.apply(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        attn = paged_attention(q, k, v, cache, meta, self.scale)
         hidden, residual = self.post_attention_layernorm(self.o_proj(attn), residual)
         return gated_mlp(self.gate_up_proj, self.down_proj, hidden), residual
 
@@ -97,21 +98,21 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: torch.Tensor,
+        caches: Sequence[LayerCache],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Logits (fp32) for the tokens at `logits_indices` only: the vocabulary projection is the
         biggest GEMM per token, and only each sequence's last token needs it."""
         return self.compute_logits(
-            self.final_hidden(input_ids, positions, kv_caches, meta, logits_indices)
+            self.final_hidden(input_ids, positions, caches, meta, logits_indices)
         )
 
     def final_hidden(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: torch.Tensor,
+        caches: Sequence[LayerCache],
         meta: AttentionMetadata,
         indices: torch.Tensor,
     ) -> torch.Tensor:
@@ -120,8 +121,8 @@ class LlamaForCausalLM(nn.Module):
         hidden = F.embedding(input_ids, self.embed_tokens)
         rotary = self.rotary.tables(positions, hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rotary, kv_cache, meta)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            hidden, residual = layer(hidden, residual, rotary, cache, meta)
         hidden, _ = self.norm(hidden[indices], residual[indices])
         return hidden
 
