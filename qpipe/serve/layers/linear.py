@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 
 class LinearBase(nn.Module):
     """`forward` takes the model's flat tokens, [tokens, in_features], and returns [tokens,
-    out_features]: no reshapes around the kernels, which at decode sizes cost a third of a small
-    product's time (SmolLM2 at concurrency 1 makes 121 of them a step)."""
+    out_features]: no reshapes around the kernels, two tensor ops (~5 µs here) for each of the
+    121 products of a SmolLM2 step, ~0.6 ms of a 30 ms decode step at concurrency 1."""
 
     kind: ClassVar[str]
     optional_buffers: ClassVar[tuple[str, ...]] = ("bias",)  # absent from a saved state: None
