@@ -35,8 +35,8 @@ from qpipe.serve.layers.linear import FP8_MAX
 
 class LayerCache(NamedTuple):
     """One layer's K and V as the kernels read them (`cache_views`), views made once for the
-    engine's life: per layer and step they cost three tensor ops (SmolLM2's 30 layers, ~0.2 ms
-    a step, as much as its attention kernel at concurrency 1)."""
+    engine's life: made per layer and step they cost three tensor ops, ~0.2 ms of a SmolLM2
+    step (30 layers)."""
 
     k: torch.Tensor  # [blocks, kv_heads, head_dim, block_size]
     v: torch.Tensor  # [blocks, block_size, kv_heads, head_dim]
