@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from qpipe.serve.layers.attention import AttentionMetadata, layer_caches
+from qpipe.serve.layers.attention import AttentionMetadata, LayerCache
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +38,19 @@ class DecodeGraphs:
     def __init__(
         self,
         model: nn.Module,
-        kv_cache: torch.Tensor,
+        caches: Sequence[LayerCache],
         max_batch: int,
         max_blocks_per_seq: int,
         scratch_block: int,
     ) -> None:
         self.model = model
-        self.layer_caches = layer_caches(kv_cache)
+        self.caches = caches
         self.buckets = batch_buckets(max_batch)
         self.max_blocks_per_seq = max_blocks_per_seq
         self._scratch_block = scratch_block
-        self._scratch_slot = scratch_block * kv_cache.shape[3]  # its first slot
-        device = kv_cache.device
+        block_size = caches[0].v.shape[1]
+        self._scratch_slot = scratch_block * block_size  # its first slot
+        device = caches[0].v.device
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.slot_mapping = torch.full(
@@ -123,7 +125,7 @@ class DecodeGraphs:
         return self.model(
             self.input_ids[:bucket],
             self.positions[:bucket],
-            self.layer_caches,
+            self.caches,
             meta,
             self.logits_indices[:bucket],
         )

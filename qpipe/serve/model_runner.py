@@ -123,7 +123,9 @@ class ModelRunner:
         """Static decode buffers over this runner's model and KV cache: captured into CUDA graphs
         on a GPU, run as they are elsewhere."""
         max_blocks = -(-self.max_model_len // self.block_size)
-        return DecodeGraphs(self.model, self.kv_cache, max_batch, max_blocks, self.scratch_block)
+        return DecodeGraphs(
+            self.model, self.layer_caches, max_batch, max_blocks, self.scratch_block
+        )
 
     @property
     def kv_cache_dtype_name(self) -> str:
