@@ -72,6 +72,7 @@ class Request:
     params: SamplingParams
     arrives: int  # step
     aborted_at: int | None
+    mid_step: bool  # aborted between the scheduler forming that step's batch and its run
     tokens: list[int] = field(default_factory=list)
     finished: bool = False
 
@@ -79,7 +80,7 @@ class Request:
 def random_requests(rng: random.Random, count: int) -> list[Request]:
     """Prompts of 1-80 tokens: most start with one of two shared prefixes (one a whole number of
     blocks), some are exact duplicates, some one block repeated; greedy, seeded sampling or
-    penalties; a few aborted."""
+    penalties; a few aborted, half of those between a step's scheduling and its run."""
     prefixes = [[rng.randrange(3, 3000) for _ in range(n)] for n in (2 * BLOCK, rng.randint(5, 40))]
     requests: list[Request] = []
     for i in range(count):
@@ -110,8 +111,16 @@ def random_requests(rng: random.Random, count: int) -> list[Request]:
         )  # fmt: skip
         arrives = rng.randint(0, 20)
         aborted_at = arrives + rng.randint(0, 25) if rng.random() < 0.15 else None
-        requests.append(Request(f"r{i}", prompt, params, arrives, aborted_at))
+        mid_step = aborted_at is not None and rng.random() < 0.5
+        requests.append(Request(f"r{i}", prompt, params, arrives, aborted_at, mid_step))
     return requests
+
+
+def abort_now(engine: LLMEngine, requests: list[Request], step: int, mid_step: bool) -> None:
+    for r in requests:
+        if r.aborted_at == step and r.mid_step == mid_step and not r.finished:
+            engine.abort_request(r.request_id)
+            r.finished = True
 
 
 def check_books(engine: LLMEngine) -> None:
@@ -154,10 +163,10 @@ def test_random_workloads_give_each_request_its_tokens_alone(
         for r in requests:
             if r.arrives == step:
                 engine.add_request(r.request_id, r.prompt, r.params)
-            if r.aborted_at == step and not r.finished:
-                engine.abort_request(r.request_id)
-                r.finished = True
-        for out in engine.step():
+        abort_now(engine, requests, step, mid_step=False)
+        batch = engine.scheduler.schedule()
+        abort_now(engine, requests, step, mid_step=True)
+        for out in engine.execute(batch):
             request = by_id[out.request_id]
             assert not request.finished, f"{out.request_id} got a token after it ended"
             request.tokens.extend(out.new_token_ids)

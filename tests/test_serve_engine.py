@@ -381,6 +381,24 @@ def test_abort_frees_blocks_at_once(engine: LLMEngine) -> None:
     assert len(tokens["keep"]) == GREEDY.max_tokens and len(tokens["drop"]) == 1
 
 
+def test_an_abort_between_schedule_and_execute_waits_for_its_step(
+    engine: LLMEngine, hf_model: torch.nn.Module
+) -> None:
+    """A request aborted after `schedule` formed its batch still has its step run: the twin
+    admitted with it hits the blocks that step writes, so dropping it then would leave the twin
+    reading K/V that nobody wrote. Its blocks are freed once the step is done."""
+    prompt = encode(engine, SHARED_PREFIX + PROMPTS[2])
+    assert len(prompt) > 32  # the twin shares full blocks
+    engine.add_request("first", prompt, GREEDY)
+    engine.add_request("twin", prompt, GREEDY)
+    batch = engine.scheduler.schedule()
+    engine.abort_request("first")
+    outputs = engine.execute(batch)
+    assert [out.request_id for out in outputs] == ["twin"]
+    tokens = run_all(engine, {"twin": outputs[0].new_token_ids})
+    assert tokens == {"twin": hf_greedy(hf_model, prompt, GREEDY.max_tokens)}
+
+
 def test_seeded_sampling_and_logprobs(engine: LLMEngine) -> None:
     prompt = encode(engine, "My favourite animal is the")
     params = SamplingParams(max_tokens=8, temperature=0.8, top_k=50, seed=1234, logprobs=3)

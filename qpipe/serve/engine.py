@@ -107,8 +107,9 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
-        """Drop a request and free its KV blocks now. Unknown or finished ids are ignored, so a
-        client disconnect racing with completion is harmless."""
+        """Drop a request and free its KV blocks now (or, between `schedule` and `execute`, once
+        the step ran: `Scheduler.abort`). Unknown or finished ids are ignored, so a client
+        disconnect racing with completion is harmless."""
         seq = self._requests.pop(request_id, None)
         if seq is not None:
             self.scheduler.abort(seq)
@@ -123,9 +124,10 @@ class LLMEngine:
             return []
         result = self.model_runner.run(batch)
         for request_id, scored in result.prompt_logprobs.items():
-            prompt_logprobs = self._requests[request_id].prompt_logprobs
-            assert prompt_logprobs is not None  # the runner scores only requests that asked
-            prompt_logprobs.extend(scored)
+            seq = self._requests.get(request_id)  # None: aborted while the step ran
+            if seq is not None:
+                assert seq.prompt_logprobs is not None  # the runner scores only those that asked
+                seq.prompt_logprobs.extend(scored)
         outputs = []
         for seq, token_id, logprobs in self.scheduler.postprocess(
             batch, result.sampled, self.eos_token_ids

@@ -8,7 +8,6 @@ while free blocks, `max_num_seqs` and the `max_num_batched_tokens` budget allow.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from qpipe.serve.block_manager import BlockManager
@@ -44,11 +43,20 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._in_flight: set[Sequence] = set()  # the last batch's, until its postprocess
+        self._deferred_aborts: set[Sequence] = set()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def abort(self, seq: Sequence) -> None:
+        """Drops a request and frees its blocks: now, or, for one in the batch that `schedule`
+        returned and `postprocess` has not taken yet, once that batch ran. Its step still writes
+        the K/V of the blocks it registered, which a prompt admitted after it in the same step
+        may share (`_register`)."""
+        if seq in self._in_flight:
+            self._deferred_aborts.add(seq)
+            return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -108,6 +116,7 @@ class Scheduler:
             chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
             items.append(self._register(_scheduled(seq, chunk)))
             budget -= chunk
+        self._in_flight = {item.seq for item in items}
         return ScheduledBatch(items)
 
     def _register(self, item: ScheduledSeq) -> ScheduledSeq:
@@ -121,13 +130,18 @@ class Scheduler:
         batch: ScheduledBatch,
         sampled: dict[str, tuple[int, dict[int, float] | None]],
         eos_token_ids: frozenset[int],
-    ) -> Iterator[tuple[Sequence, int, dict[int, float] | None]]:
-        """Advance the computed counts, append sampled tokens, finish what is done. Yields one
-        (sequence, new token, its logprobs) per sequence that gained a token."""
+    ) -> list[tuple[Sequence, int, dict[int, float] | None]]:
+        """After `batch` ran: finish the requests aborted while it did, advance the computed
+        counts, append sampled tokens, finish what is done. Returns one (sequence, new token, its
+        logprobs) per sequence that gained a token."""
+        aborted, self._deferred_aborts, self._in_flight = self._deferred_aborts, set(), set()
+        for seq in aborted:
+            self.abort(seq)
+        gained = []
         for item in batch.items:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted between schedule and postprocess
+                continue  # aborted while the step ran
             seq.num_computed_tokens = item.start + item.num_new_tokens
             if not item.samples:
                 continue
@@ -140,7 +154,8 @@ class Scheduler:
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
-            yield seq, token_id, logprobs
+            gained.append((seq, token_id, logprobs))
+        return gained
 
     def _finish_reason(
         self, seq: Sequence, token_id: int, eos_token_ids: frozenset[int]
