@@ -395,6 +395,9 @@ def test_an_abort_between_schedule_and_execute_waits_for_its_step(
     engine.abort_request("first")
     outputs = engine.execute(batch)
     assert [out.request_id for out in outputs] == ["twin"]
+    stats = engine.stats()  # only the twin's blocks are held now
+    held = stats.num_total_blocks - stats.num_free_blocks
+    assert held == len(engine.scheduler.running[0].block_table)
     tokens = run_all(engine, {"twin": outputs[0].new_token_ids})
     assert tokens == {"twin": hf_greedy(hf_model, prompt, GREEDY.max_tokens)}
 
