@@ -461,8 +461,9 @@ RECIPE_QUANT = {"none": None, "int8-sq": "int8", "int8-wo": "int8", "fp8": "fp8"
 DTYPE_QUANT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def _recipe_shape(path: Path, store: str | None) -> tuple[Any, str, int]:
-    """The converted checkpoint's shape plus the quant and group size the recipe asks for."""
+def _recipe_shape(path: Path, store: str | None) -> tuple[Any, str, int, str]:
+    """The converted checkpoint's shape plus the quant, group size and KV dtype the recipe asks
+    for."""
     from qpipe.fit import load_shape
 
     pipeline = _pipeline(path, store)
@@ -475,7 +476,8 @@ def _recipe_shape(path: Path, store: str | None) -> tuple[Any, str, int]:
     quant = RECIPE_QUANT.get(q.method) or DTYPE_QUANT[pipeline.recipe.model.dtype]
     if q.method == "gptq":
         quant = "int8" if q.bits == 8 else "int4"
-    return load_shape(Path(convert.path)), quant, q.group_size or 128
+    kv_dtype = "fp8" if q.kv_cache == "fp8" else "bf16"
+    return load_shape(Path(convert.path)), quant, q.group_size or 128, kv_dtype
 
 
 @app.command()
@@ -486,7 +488,10 @@ def fit(
     ] = "H100",  # fmt: skip
     tp: Annotated[int, typer.Option(help="Tensor-parallel GPUs.")] = 1,
     quant: Annotated[str | None, typer.Option(help="fp32|bf16|fp16|int8|fp8|int4.")] = None,
-    kv_dtype: Annotated[str, typer.Option(help="KV cache dtype: bf16|fp16|fp8|int8.")] = "bf16",
+    kv_dtype: Annotated[
+        str | None,
+        typer.Option(help="KV cache dtype: bf16|fp16|fp8|int8 (default: the recipe's, or bf16)."),
+    ] = None,
     group_size: Annotated[int | None, typer.Option(help="int4 group size.")] = None,
     max_model_len: Annotated[int, typer.Option(help="Context length per sequence.")] = 8192,
     concurrency: Annotated[int, typer.Option(help="Sequences served at once.")] = 1,
@@ -500,14 +505,14 @@ def fit(
 
     try:
         if model.suffix in (".yaml", ".yml"):
-            shape, recipe_quant, recipe_group = _recipe_shape(model, store)
+            shape, recipe_quant, recipe_group, recipe_kv = _recipe_shape(model, store)
         else:
-            shape, recipe_quant, recipe_group = load_shape(model), "bf16", 128
+            shape, recipe_quant, recipe_group, recipe_kv = load_shape(model), "bf16", 128, "bf16"
         gpu_name, gpu_gib = gpu_memory(gpu)
         report = compute_fit(
             FitRequest(
                 shape=shape, gpu_gib=gpu_gib, gpu_name=gpu_name, quant=quant or recipe_quant,
-                kv_dtype=kv_dtype, group_size=group_size or recipe_group, tp=tp,
+                kv_dtype=kv_dtype or recipe_kv, group_size=group_size or recipe_group, tp=tp,
                 max_model_len=max_model_len, concurrency=concurrency, overhead_gib=overhead_gib,
             )
         )  # fmt: skip

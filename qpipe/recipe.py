@@ -75,7 +75,7 @@ class Recipe(Section):
     def _calibration_when_needed(self) -> Recipe:
         if self.quantization.needs_calibration and self.calibration is None:
             raise ValueError(
-                f"quantization method {self.quantization.method!r} needs a calibration section "
+                f"quantization {self.quantization.label} needs a calibration section "
                 "(calibration.dataset: your domain data)"
             )
         return self

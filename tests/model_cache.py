@@ -60,3 +60,23 @@ def tiny_llama(cache: Path, tokenizer_dir: Path) -> Path:
         tokenizer.save_pretrained(tmp)
 
     return built_once(cache / "tiny-llama", build)
+
+
+def write_calibration(
+    directory: Path, checkpoint: Path, text: str, rows: int, seq_len: int
+) -> Path:
+    """A calibrate-stage output (input_ids/attention_mask) cut from `text`; last row padded."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(checkpoint)(text)["input_ids"][: rows * seq_len]
+    input_ids = torch.tensor(ids).view(rows, seq_len)
+    mask = torch.ones_like(input_ids)
+    mask[-1, seq_len // 2 :] = 0
+    input_ids[-1, seq_len // 2 :] = 2
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {"input_ids": input_ids, "attention_mask": mask}, directory / "calibration.safetensors"
+    )
+    return directory

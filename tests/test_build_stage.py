@@ -214,6 +214,8 @@ def test_key_extras_and_alias(monkeypatch: pytest.MonkeyPatch) -> None:
         ("{method: awq}", "awq"),
         ("{method: gptq, bits: 8}", "gptq-w8"),
         ("{method: int4-wo}", "int4-wo"),
+        ("{method: int8-sq, kv_cache: fp8}", "int8-fp8kv"),
+        ("{method: none, kv_cache: fp8}", "bf16-fp8kv"),
     ]:
         recipe = parse_recipe(base + f"quantization: {quant}\ncalibration: {{dataset: d}}\n"
                               "build: {tp: 4, pp: 2}\n")  # fmt: skip

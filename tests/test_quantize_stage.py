@@ -14,32 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from qpipe.recipe import parse_recipe
 from qpipe.stages.base import StageContext, StageError
 from qpipe.stages.quantize import QuantizeStage
 from qpipe.store.local import LocalStore
+from tests.model_cache import write_calibration
 
 PROMPT = "The capital of France is"
-
-
-def write_calibration(
-    directory: Path, checkpoint: Path, text: str, rows: int, seq_len: int
-) -> Path:
-    """A calibrate-stage output (input_ids/attention_mask) cut from `text`; last row padded."""
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(checkpoint)(text)["input_ids"][: rows * seq_len]
-    input_ids = torch.tensor(ids).view(rows, seq_len)
-    mask = torch.ones_like(input_ids)
-    mask[-1, seq_len // 2 :] = 0
-    input_ids[-1, seq_len // 2 :] = 2
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {"input_ids": input_ids, "attention_mask": mask}, directory / "calibration.safetensors"
-    )
-    return directory
 
 
 def run_stage(
@@ -140,6 +122,35 @@ def test_tiny_method_writes_its_format(
         assert record["parameters"] == {"group_size": 32, "symmetric": False}
         if not torch.accelerator.is_available():
             assert any("pinning skipped" in note for note in record["notes"])
+
+
+@pytest.mark.parametrize("method", ["none", "gptq"])
+def test_kv_cache_fp8_writes_per_layer_scales(
+    tmp_path: Path, tiny_llama_checkpoint: Path, tiny_calibration: Path, method: str
+) -> None:
+    """A calibrated fp8 KV cache, alone (the weights stay as they are) or with a weight method:
+    compressed-tensors' kv_cache_scheme, and one k_scale and one v_scale per layer."""
+    recipe = f"{{method: {method}, kv_cache: fp8}}"
+    if method == "gptq":
+        recipe = "{method: gptq, group_size: 32, kv_cache: fp8}"
+    out, record, result = run_stage(tmp_path, tiny_llama_checkpoint, tiny_calibration, recipe)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    scheme = config["kv_cache_scheme"]
+    assert (scheme["type"], scheme["num_bits"], scheme["strategy"]) == ("float", 8, "tensor")
+    assert not scheme["dynamic"]
+    assert record["kv_cache"] == "fp8" and result.metrics["kv_cache"] == "fp8"
+    for layer in range(2):
+        attn = tensors(out, f"model.layers.{layer}.self_attn.")
+        assert all(attn[n].numel() == 1 and attn[n].item() > 0 for n in ("k_scale", "v_scale"))
+    if method == "none":
+        assert record["quantized_layers"] == 0
+        source = tensors(tiny_llama_checkpoint, "model.layers.0.self_attn.q_proj.")
+        assert torch.equal(
+            tensors(out, "model.layers.0.self_attn.q_proj.")["weight"], source["weight"]
+        )
+    else:
+        assert record["quantized_layers"] == 14
+        assert "weight_packed" in tensors(out, "model.layers.0.self_attn.q_proj.")
 
 
 def test_none_links_the_checkpoint(tmp_path: Path, tiny_llama_checkpoint: Path) -> None:
@@ -342,3 +353,48 @@ def test_smollm2_int4_methods_write_packed_groups(
     reloaded = compare(smol_reference["logprobs"], model, smol_reference["windows"])
     assert reloaded.perplexity < PPL_BOUND[method] * smol_reference["perplexity"]
     assert reloaded.kld > 0
+
+
+@pytest.mark.slow
+def test_smollm2_kv_scales_are_measured_after_rope_on_the_calibration_set(
+    tmp_path: Path, smollm2_checkpoint: Path, smol_calibration: Path, smol_reference: dict
+) -> None:
+    """int8 W8A8 with an fp8 KV cache. Each layer's k_scale and v_scale are llm-compressor's
+    running estimate of the largest |K| (after RoPE, as the cache holds it) and |V| over the
+    calibration windows, over 448: measured here at 0.86-0.96 of that maximum."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.cache_utils import DynamicCache
+
+    from qpipe.quant.divergence import compare
+
+    out, record, _ = run_stage(
+        tmp_path, smollm2_checkpoint, smol_calibration, "{method: int8-sq, kv_cache: fp8}"
+    )
+    assert record["kv_cache"] == "fp8" and record["quantized_layers"] == 30 * 7
+    largest: dict[int, tuple[float, float]] = {}
+    update = DynamicCache.update
+
+    def observe(cache, k, v, layer, *args, **kwargs):  # noqa: ANN001, ANN202 - a patch
+        seen = largest.get(layer, (0.0, 0.0))
+        largest[layer] = (max(seen[0], k.abs().max().item()), max(seen[1], v.abs().max().item()))
+        return update(cache, k, v, layer, *args, **kwargs)
+
+    calibration = load_file(str(smol_calibration / "calibration.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint).eval()
+    DynamicCache.update = observe
+    try:
+        with torch.inference_mode():
+            rows = zip(calibration["input_ids"], calibration["attention_mask"], strict=True)
+            for ids, mask in rows:
+                model(ids[mask.bool()][None])
+    finally:
+        DynamicCache.update = update
+    for layer in range(30):
+        attn = tensors(out, f"model.layers.{layer}.self_attn.")
+        for name, amax in zip(("k_scale", "v_scale"), largest[layer], strict=True):
+            assert 0.5 * amax / 448 < attn[name].item() <= 1.01 * amax / 448, (layer, name)
+    # transformers' load fake-quantizes K and V with those scales
+    quantized = AutoModelForCausalLM.from_pretrained(out).eval()
+    measured = compare(smol_reference["logprobs"], quantized, smol_reference["windows"])
+    assert measured.perplexity < PPL_BOUND["int8-sq"] * smol_reference["perplexity"]

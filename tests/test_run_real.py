@@ -64,6 +64,20 @@ def test_noop_rerun_is_fast_and_runs_nothing(converted: Path) -> None:
     assert manifest["environment"]["tools"]["torch"].startswith("2.13")
 
 
+def test_fit_counts_the_recipes_kv_cache_dtype(converted: Path) -> None:
+    """The fp8-KV recipe shares the default recipe's converted checkpoint; fit reads the KV
+    dtype from each recipe: 2 bytes per value (bf16, fit's default), 1 with `kv_cache: fp8`."""
+    per_token = {}
+    for name in ("smollm2-135m-int8", "smollm2-135m-int8-fp8kv"):
+        recipe = REPO / "recipes" / f"{name}.yaml"
+        report = json.loads(
+            qpipe("fit", str(recipe), "--gpu", "L4", "--json", store=converted).stdout
+        )
+        per_token[name] = report["kv_bytes_per_token"]
+    values = 2 * 30 * 3 * 64  # K and V, 30 layers, 3 KV heads of 64
+    assert per_token == {"smollm2-135m-int8": 2 * values, "smollm2-135m-int8-fp8kv": values}
+
+
 def test_kill_during_convert_then_resume(tmp_path: Path) -> None:
     store = tmp_path / "store"
     proc = subprocess.Popen(

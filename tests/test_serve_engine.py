@@ -464,9 +464,13 @@ def test_kv_cache_dtype_is_checked_and_fp8_on_a_gpu_needs_ada_or_hopper(
     assert resolve_kv_cache_dtype("auto", torch.float32, cpu) is torch.float32
     assert resolve_kv_cache_dtype("bfloat16", torch.float32, cpu) is torch.bfloat16
     assert resolve_kv_cache_dtype("fp8", torch.bfloat16, cpu) is torch.float8_e4m3fn
+    # a checkpoint with calibrated fp8 KV scales: auto follows it, an explicit dtype overrides it
+    assert resolve_kv_cache_dtype("auto", torch.float32, cpu, True) is torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32, cpu, True) is torch.bfloat16
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
     with pytest.raises(ValueError, match="compute capability 8.9 .* this GPU is 8.0"):
         resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, cuda)
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, cuda, True) is torch.bfloat16
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
     assert resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, cuda) is torch.float8_e4m3fn
 

@@ -17,7 +17,13 @@ _UNSAFE = re.compile(r"[^a-z0-9._-]+")
 
 
 def quant_name(quant: QuantizationConfig, dtype: str) -> str:
-    """The short quantization name used in aliases (bf16/fp16/fp32 for unquantized models)."""
+    """The short quantization name used in aliases (bf16/fp16/fp32 for unquantized weights),
+    with `-fp8kv` when the KV cache is fp8 (`int8-fp8kv`): it changes what the engine reads."""
+    kv = "-fp8kv" if quant.kv_cache == "fp8" else ""
+    return _weights_name(quant, dtype) + kv
+
+
+def _weights_name(quant: QuantizationConfig, dtype: str) -> str:
     if quant.method == "none":
         return _DTYPE_NAMES[dtype]
     if quant.method == "int8-sq":

@@ -102,7 +102,11 @@ class QuantizationConfig(Section):
         description="int8-sq/fp8 activation scales: dynamic per-token, or static per-tensor "
         "(measured on the calibration set).",
     )
-    kv_cache: Literal["none", "fp8", "int8"] = "none"
+    kv_cache: Literal["none", "fp8"] = Field(
+        default="none",
+        description="fp8: K and V stored in fp8 e4m3 with one scale per layer each, measured on "
+        "the calibration set (k_scale/v_scale, as vLLM and TensorRT-LLM read them).",
+    )
     keep_16bit: list[str] = Field(
         default_factory=lambda: ["lm_head"],
         description="Modules left in 16-bit: exact module names or 're:<regex>' (llm-compressor "
@@ -165,8 +169,22 @@ class QuantizationConfig(Section):
         }
 
     @property
+    def label(self) -> str:
+        """The method, and the KV cache when it is quantized, as messages name them."""
+        kv = f" with kv_cache {self.kv_cache!r}" if self.kv_cache != "none" else ""
+        return f"method {self.method!r}{kv}"
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether anything is quantized: the weights, the KV cache, or both."""
+        return self.method != "none" or self.kv_cache != "none"
+
+    @property
     def method_calibrates(self) -> bool:
-        """Whether the method itself reads activations (AWQ, GPTQ, SmoothQuant, static scales)."""
+        """Whether quantizing reads activations (AWQ, GPTQ, SmoothQuant, static activation
+        scales, KV-cache scales)."""
+        if self.kv_cache != "none":
+            return True
         if self.method in ("none", "int8-wo", "int4-wo"):
             return False
         return not (self.method == "fp8" and self.activations == "dynamic")

@@ -53,6 +53,7 @@ class QuantizeOutcome:
 
     method: str
     parameters: dict[str, Any]
+    kv_cache: str
     keep_16bit: list[str]
     layers_16bit: set[str]
     quantized_layers: int
@@ -108,12 +109,14 @@ def calibration_dataset(calibration_file: Path) -> Dataset:
     return Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]})
 
 
-def quantized_layer_names(model: Any) -> list[str]:
-    return [
+def quantized_linear_names(model: Any) -> set[str]:
+    """Linear layers whose weights were quantized (a quantized KV cache alone leaves a scheme
+    without weights on every layer, and one on the attention modules)."""
+    return {
         name
         for name, module in model.named_modules()
-        if getattr(module, "quantization_scheme", None) is not None
-    ]
+        if getattr(getattr(module, "quantization_scheme", None), "weights", None) is not None
+    } & _linears(model)
 
 
 def quantize_checkpoint(
@@ -134,7 +137,7 @@ def quantize_checkpoint(
 
     check_group_size(checkpoint, quant)
     if quant.method_calibrates and calibration_file is None:
-        raise ValueError(f"method {quant.method!r} needs a calibration set; none was given")
+        raise ValueError(f"{quant.label} needs a calibration set; none was given")
     if quant.auto_keep_16bit is not None and probe_windows is None:
         raise ValueError("auto_keep_16bit needs held-out windows to measure on")
     reset_peak_rss()
@@ -159,7 +162,7 @@ def quantize_checkpoint(
             num_calibration_samples=len(dataset) if dataset is not None else 0,
             shuffle_calibration_samples=False,
         )
-    quantized = set(quantized_layer_names(model))
+    quantized = quantized_linear_names(model)
     probe = None
     if reference is not None:
         probe = Probe(
@@ -176,6 +179,7 @@ def quantize_checkpoint(
     return QuantizeOutcome(
         method=quant.method,
         parameters=quant.parameters,
+        kv_cache=quant.kv_cache,
         keep_16bit=keep,
         layers_16bit=_linears(model) - quantized,
         quantized_layers=len(quantized),

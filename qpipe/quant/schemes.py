@@ -50,6 +50,21 @@ def activation_args(quant: QuantizationConfig) -> QuantizationArgs | None:
     )
 
 
+def kv_cache_args(quant: QuantizationConfig) -> QuantizationArgs | None:
+    """fp8 e4m3 K and V with one static scale per layer each: llm-compressor's running estimate
+    of the largest |K| (after RoPE) and |V| over the calibration set, over 448. These are the
+    `k_scale`/`v_scale` that vLLM, TensorRT-LLM and qpipe's server read. Without them fp8
+    saturates at 448 and keeps fewer bits below 2^-6, where most of SmolLM2's first-layer V
+    lies (it peaks near 0.6)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    if quant.kv_cache == "none":
+        return None
+    return QuantizationArgs(
+        num_bits=8, type="float", strategy="tensor", symmetric=True, dynamic=False
+    )
+
+
 def quantization_scheme(quant: QuantizationConfig) -> QuantizationScheme:
     from compressed_tensors.quantization import QuantizationScheme
 
@@ -61,10 +76,14 @@ def quantization_scheme(quant: QuantizationConfig) -> QuantizationScheme:
 
 
 def modifiers(quant: QuantizationConfig, keep_16bit: list[str]) -> list[Modifier]:
-    """The llm-compressor recipe for one method; `keep_16bit` becomes its `ignore` list."""
+    """The llm-compressor recipe for one method; `keep_16bit` becomes its `ignore` list. A
+    quantized KV cache rides on the modifier that sets the scales (on its own for method none)."""
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from llmcompressor.modifiers.transform import AWQModifier, SmoothQuantModifier
 
+    kv = kv_cache_args(quant)
+    if quant.method == "none":
+        return [QuantizationModifier(kv_cache_scheme=kv)]
     groups = {"group_0": quantization_scheme(quant)}
     if quant.method == "gptq":
         return [
@@ -73,9 +92,10 @@ def modifiers(quant: QuantizationConfig, keep_16bit: list[str]) -> list[Modifier
                 ignore=keep_16bit,
                 dampening_frac=quant.dampening,
                 actorder="static" if quant.act_order else None,
+                kv_cache_scheme=kv,
             )
         ]
-    quantize = QuantizationModifier(config_groups=groups, ignore=keep_16bit)
+    quantize = QuantizationModifier(config_groups=groups, ignore=keep_16bit, kv_cache_scheme=kv)
     if quant.method == "awq":
         # AWQ only rescales channels; the QuantizationModifier after it sets the scales.
         return [AWQModifier(), quantize]

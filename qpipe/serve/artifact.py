@@ -12,7 +12,10 @@ Layout (format_version 1):
                              int8_w8a8    weight int8 [out, in], weight_scale fp32 [1, out], bias?
                              weight_only  weight int8 [out, in] (unpacked int4/int8 values),
                                           weight_scale fp32 [out, groups], weight_zero_point?, bias?
-    qpipe_artifact.json    {"format_version": 1, "dtype": ..., "linears": {layer name: kind}}
+                           and, for a calibrated fp8 KV cache, `...self_attn.k_scale` and
+                           `...self_attn.v_scale` (fp32 [1] each)
+    qpipe_artifact.json    {"format_version": 1, "dtype": ..., "linears": {layer name: kind},
+                            "kv_cache": "fp8" (only with those scales)}
 
 Fusing and unpacking at build time is what makes loading an artifact a plain read.
 """
@@ -27,6 +30,7 @@ import torch
 
 from qpipe.serve import ARTIFACT_FORMAT_VERSION as FORMAT_VERSION
 from qpipe.serve.layers.linear import LINEAR_KINDS, LinearBase
+from qpipe.serve.loader import read_kv_scales
 from qpipe.serve.models.llama import WeightSource
 
 ARTIFACT_MARKER = "qpipe_artifact.json"
@@ -50,6 +54,7 @@ class ArtifactWeights:
                 f"{FORMAT_VERSION}; rebuild it with this qpipe (qpipe run re-runs the build stage)"
             )
         self.linears: dict[str, str] = meta["linears"]
+        self.kv_cache_fp8 = meta.get("kv_cache") == "fp8"
         self.dtype = dtype
         self.device = device
         self.file = safe_open(path / "model.safetensors", "pt")
@@ -60,6 +65,13 @@ class ArtifactWeights:
 
     def tensor(self, name: str) -> torch.Tensor:
         return self.file.get_tensor(name).to(self.dtype)
+
+    def kv_scales(self, attn: str) -> tuple[float, float] | None:
+        if not self.kv_cache_fp8:
+            return None
+        return read_kv_scales(
+            lambda name: self.file.get_tensor(name) if name in self.names else None, attn
+        )
 
     def linear(self, name: str, parts: list[str]) -> LinearBase:
         kind = self.linears[name]
@@ -80,6 +92,7 @@ class RecordingWeights:
         self.inner = inner
         self.tensors: dict[str, torch.Tensor] = {}
         self.linears: dict[str, LinearBase] = {}
+        self.kv_cache_fp8 = False
 
     def has(self, name: str) -> bool:
         return self.inner.has(name)
@@ -91,6 +104,14 @@ class RecordingWeights:
     def linear(self, name: str, parts: list[str]) -> LinearBase:
         self.linears[name] = self.inner.linear(name, parts)
         return self.linears[name]
+
+    def kv_scales(self, attn: str) -> tuple[float, float] | None:
+        scales = self.inner.kv_scales(attn)
+        if scales is not None:
+            self.kv_cache_fp8 = True
+            for name, value in zip(("k_scale", "v_scale"), scales, strict=True):
+                self.tensors[f"{attn}.{name}"] = torch.tensor([value], dtype=torch.float32)
+        return scales
 
 
 def write_artifact(checkpoint_dir: Path, out_dir: Path, dtype: str = "float32") -> Path:
@@ -121,5 +142,7 @@ def write_artifact(checkpoint_dir: Path, out_dir: Path, dtype: str = "float32") 
             shutil.copy2(checkpoint_dir / file, out_dir / file)
     linears = {name: layer.kind for name, layer in weights.linears.items()}
     marker = {"format_version": FORMAT_VERSION, "dtype": dtype, "linears": linears}
+    if weights.kv_cache_fp8:
+        marker["kv_cache"] = "fp8"
     (out_dir / ARTIFACT_MARKER).write_text(json.dumps(marker, indent=2))
     return out_dir

@@ -51,7 +51,11 @@ def serve(
     enable_prefix_caching: Annotated[bool, typer.Option()] = True,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
     kv_cache_dtype: Annotated[
-        str, typer.Option(help="auto (the model's dtype), bfloat16, or fp8 (e4m3, scale 1).")
+        str,
+        typer.Option(
+            help="auto (fp8 when the checkpoint calibrated KV scales, else the model's dtype), "
+            "bfloat16, or fp8 (e4m3; the checkpoint's scales, else 1)."
+        ),
     ] = "auto",
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     kv_cache_memory: Annotated[

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,6 +66,7 @@ class QuantizationConfig:
                 "quantization_config.quantization_status is not 'compressed'; save the model "
                 "with save_pretrained(..., save_compressed=True)"
             )
+        self.kv_cache_fp8 = _kv_cache_fp8(self.raw.get("kv_cache_scheme"))
 
     def scheme_for(self, name: str) -> LayerScheme:
         if not self.raw or any(_matches(name, t) for t in self.raw.get("ignore", [])):
@@ -82,6 +84,43 @@ class QuantizationConfig:
                 activations_fp8=acts.get("type") == "float" and acts.get("num_bits") == 8,
             )
         return LayerScheme("dense")
+
+
+def _kv_cache_fp8(scheme: dict | None) -> bool:
+    """Whether the checkpoint calibrated an fp8 KV cache: e4m3 with one static scale per layer
+    for K and one for V (`k_scale`, `v_scale`), what llm-compressor writes for
+    `kv_cache_scheme` and vLLM serves. Other schemes are refused, not served unscaled."""
+    if not scheme:
+        return False
+    served = (
+        scheme.get("type") == "float"
+        and scheme.get("num_bits") == 8
+        and scheme.get("strategy") == "tensor"
+        and not scheme.get("dynamic")
+    )
+    if not served:
+        described = {k: scheme.get(k) for k in ("type", "num_bits", "strategy", "dynamic")}
+        raise ValueError(
+            f"quantization_config.kv_cache_scheme {described} is not served; qpipe serves fp8 "
+            "(type float, 8 bits) with static per-tensor scales. Quantize the KV cache with "
+            "qpipe's quantization.kv_cache: fp8, or drop kv_cache_scheme"
+        )
+    return True
+
+
+def read_kv_scales(source: Callable[[str], torch.Tensor | None], attn: str) -> tuple[float, float]:
+    """(k_scale, v_scale) of one attention module, from a lookup that returns None when a
+    tensor is missing."""
+    scales = []
+    for name in (f"{attn}.k_scale", f"{attn}.v_scale"):
+        tensor = source(name)
+        if tensor is None:
+            raise KeyError(
+                f"tensor {name!r} is missing: the checkpoint declares an fp8 KV cache "
+                "(kv_cache_scheme) but has no scale for this layer; re-run its quantization"
+            )
+        scales.append(float(tensor.float().reshape(())))
+    return scales[0], scales[1]
 
 
 class CheckpointWeights:
@@ -121,6 +160,9 @@ class CheckpointWeights:
         if raw is None:
             raise KeyError(f"tensor {name!r} is missing from the checkpoint")
         return raw.to(self.dtype)
+
+    def kv_scales(self, attn: str) -> tuple[float, float] | None:
+        return read_kv_scales(self._raw, attn) if self.quantization.kv_cache_fp8 else None
 
     def linear(self, name: str, parts: list[str]) -> LinearBase:
         schemes = {self.quantization.scheme_for(part) for part in parts}
@@ -209,6 +251,16 @@ def read_config_json(path: Path) -> dict:
     return json.loads(file.read_text())
 
 
+def has_fp8_kv_scales(path: Path, config: dict) -> bool:
+    """Whether a checkpoint (its `config`) or a qpipe artifact calibrated an fp8 KV cache."""
+    from qpipe.serve.artifact import ARTIFACT_MARKER
+
+    marker = path / ARTIFACT_MARKER
+    if marker.is_file():
+        return json.loads(marker.read_text()).get("kv_cache") == "fp8"
+    return QuantizationConfig(config.get("quantization_config")).kv_cache_fp8
+
+
 def resolve_dtype(requested: str, device: str, checkpoint: dict) -> torch.dtype:
     """ "auto" computes in 16 bits wherever the hardware multiplies 16-bit values: the checkpoint's
     16-bit dtype on GPU (bf16 when it is stored in fp32), bf16 on CPUs with a bf16 dot product
@@ -248,6 +300,9 @@ class PackingWeights:
 
     def tensor(self, name: str) -> torch.Tensor:
         return self.inner.tensor(name)
+
+    def kv_scales(self, attn: str) -> tuple[float, float] | None:
+        return self.inner.kv_scales(attn)
 
     def linear(self, name: str, parts: list[str]) -> LinearBase:
         layer = self.inner.linear(name, parts)

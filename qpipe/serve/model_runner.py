@@ -19,7 +19,7 @@ from qpipe.serve.layers import cpu_kernels, triton_attention
 from qpipe.serve.layers.attention import AttentionMetadata, PrefillSpan, layer_caches
 from qpipe.serve.layers.linear import FP8_CAPABILITY
 from qpipe.serve.layers.sampler import sample, token_logprobs
-from qpipe.serve.loader import load_model, read_config_json, resolve_dtype
+from qpipe.serve.loader import has_fp8_kv_scales, load_model, read_config_json, resolve_dtype
 from qpipe.serve.models.llama import head_dim_of
 from qpipe.serve.sampling_params import SamplingParams
 from qpipe.serve.scheduler import ScheduledBatch, ScheduledSeq
@@ -55,7 +55,9 @@ class ModelRunner:
         path = Path(config.model)
         raw = read_config_json(path)
         self.dtype = resolve_dtype(config.dtype, config.device, raw)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            config.kv_cache_dtype, self.dtype, self.device, has_fp8_kv_scales(path, raw)
+        )
         limit = raw.get("max_position_embeddings", config.max_model_len_cap)
         limit_name = "max_position_embeddings"
         window = sliding_window(raw)
@@ -73,6 +75,7 @@ class ModelRunner:
         self.model = load_model(
             path, self.dtype, config.device, max_len, batch_hint=min(config.max_num_seqs, 256)
         )
+        self._log_kv_scales()
         hf = self.model.config
         eos = raw.get("eos_token_id")
         self.eos_token_ids = frozenset(
@@ -118,6 +121,20 @@ class ModelRunner:
         if self.device.type == "cuda" and self.attention_kernel and not config.enforce_eager:
             self.decode_graphs = self.static_decode(min(config.max_num_seqs, 512))
             self.decode_graphs.capture()
+
+    def _log_kv_scales(self) -> None:
+        scales = [layer.kv_scales for layer in self.model.layers if layer.kv_scales is not None]
+        if not scales:
+            return
+        if self.kv_cache_dtype != torch.float8_e4m3fn:
+            log.info("the checkpoint's fp8 KV scales are unused: the cache is %s",
+                     self.kv_cache_dtype_name)  # fmt: skip
+            return
+        k, v = zip(*scales, strict=True)
+        log.info(
+            "fp8 KV cache divided by the checkpoint's scales: k_scale %.3g-%.3g, v_scale %.3g-%.3g",
+            min(k), max(k), min(v), max(v),
+        )  # fmt: skip
 
     def static_decode(self, max_batch: int) -> DecodeGraphs:
         """Static decode buffers over this runner's model and KV cache: captured into CUDA graphs
@@ -377,20 +394,31 @@ def padded_tables(tables: list[list[int]]) -> list[list[int]]:
     return [t + [0] * (width - len(t)) for t in tables]
 
 
-def resolve_kv_cache_dtype(requested: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def resolve_kv_cache_dtype(
+    requested: str, dtype: torch.dtype, device: torch.device, calibrated_fp8: bool = False
+) -> torch.dtype:
     """What the KV cache holds. Decode attention reads every cached K and V of every running
     sequence each step, so a narrower cache is both room for more sequences and less to read:
-    bf16 halves an fp32 model's cache, fp8 e4m3 halves a 16-bit one's. fp8 values are stored
-    with a scale of 1, as vLLM does without calibrated scales: beyond +-448 they saturate, and
-    each keeps 3 mantissa bits. Attention widens them to fp32 on load (the C++ and Triton
-    kernels) or before SDPA."""
-    if requested == "auto":
+    bf16 halves an fp32 model's cache, fp8 e4m3 halves a 16-bit one's. fp8 values are divided
+    by the checkpoint's calibrated per-layer scales (`calibrated_fp8`), else stored with a
+    scale of 1, as vLLM does without them: beyond +-448 they saturate, below 2^-6 they lose
+    mantissa bits, and each keeps 3. Attention widens them to fp32 on load (the C++ and Triton
+    kernels) or before SDPA. "auto" is fp8 for a checkpoint that calibrated it (the artifact
+    was measured that way, as TensorRT-LLM's engines are), else the model's dtype."""
+    if requested == "auto" and not calibrated_fp8:
         return dtype
     if requested == "bfloat16":
         return torch.bfloat16
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < FP8_CAPABILITY:
+            if requested == "auto":
+                log.warning(
+                    "the checkpoint calibrated an fp8 KV cache, but Triton reads fp8 from "
+                    "compute capability 8.9 on and this GPU is %d.%d: the cache holds %s",
+                    major, minor, str(dtype).removeprefix("torch."),
+                )  # fmt: skip
+                return dtype
             raise ValueError(
                 f"kv_cache_dtype={requested!r}: Triton reads fp8 from compute capability 8.9 "
                 f"(Ada, Hopper) on; this GPU is {major}.{minor}. Use --kv-cache-dtype auto or "

@@ -22,7 +22,6 @@ from qpipe.recipe import Recipe
 from qpipe.stages.base import (
     GateVerdict,
     MetricValue,
-    NotAvailable,
     Stage,
     StageContext,
     StageError,
@@ -74,21 +73,14 @@ class QuantizeStage(Stage):
         return {field: input_path(field, auto.heldout, recipe_dir, file_only=True)}
 
     def tools(self, recipe: Recipe) -> tuple[str, ...]:
-        if recipe.quantization.method == "none":
+        if not recipe.quantization.quantizes:
             return ()
         return ("torch", "transformers", "llmcompressor", "compressed-tensors")
-
-    def check_available(self, recipe: Recipe) -> None:
-        if recipe.quantization.kv_cache != "none":
-            raise NotAvailable(
-                f"quantize/kv_cache={recipe.quantization.kv_cache}",
-                "KV-cache quantization is not wired yet; set quantization.kv_cache: none",
-            )
 
     def run(self, ctx: StageContext) -> StageResult:
         quant = ctx.recipe.quantization
         checkpoint = ctx.inputs["convert"]
-        if quant.method == "none":
+        if not quant.quantizes:
             _link_or_copy(checkpoint, ctx.out_dir)
             record = {"method": "none", "layers_16bit": "all"}
             (ctx.out_dir / QUANT_JSON).write_text(json.dumps(record, indent=2) + "\n")
@@ -111,7 +103,7 @@ class QuantizeStage(Stage):
             calibration = ctx.inputs["calibrate"] / CALIBRATION_FILE
         if quant.needs_calibration and (calibration is None or not calibration.is_file()):
             raise StageError(
-                f"quantization method {quant.method!r} needs the calibration set "
+                f"quantization {quant.label} needs the calibration set "
                 f"({CALIBRATION_FILE} from the calibrate stage); add a calibration section"
             )
         windows, source = self._probe_windows(ctx, quant, checkpoint, calibration)
@@ -159,6 +151,7 @@ def _record(outcome: Any, calibration: Path | None, source: str | None) -> dict[
     record: dict[str, Any] = {
         "method": outcome.method,
         "parameters": outcome.parameters,
+        "kv_cache": outcome.kv_cache,
         "calibration": {"file": CALIBRATION_FILE, "sha256": _sha256(calibration)}
         if calibration is not None
         else None,
@@ -185,6 +178,7 @@ def _record(outcome: Any, calibration: Path | None, source: str | None) -> dict[
 def _metrics(outcome: Any) -> dict[str, MetricValue]:
     metrics: dict[str, MetricValue] = {
         "method": outcome.method,
+        "kv_cache": outcome.kv_cache,
         "quantized_layers": outcome.quantized_layers,
         "layers_16bit": len(outcome.layers_16bit),
         "wall_s": outcome.wall_s,

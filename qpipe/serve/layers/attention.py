@@ -18,7 +18,10 @@ into their slots first; then
   prefills as on GPU.
 The cache may hold a narrower dtype than the model computes in (`kv_cache_dtype`): new K/V are
 rounded to it before they are written, and fresh prompts attend to the rounded values too, so a
-prefix-cache hit or a later chunk reads what the first pass used.
+prefix-cache hit or a later chunk reads what the first pass used. An fp8 cache holds K / k_scale
+and V / v_scale when the checkpoint calibrated those scales (one per layer each, else 1); every
+path then attends over the stored values as they are, with k_scale folded into the softmax scale
+and v_scale into the output, so no kernel reads a scale.
 """
 
 from __future__ import annotations
@@ -83,12 +86,19 @@ def paged_attention(
     cache: LayerCache,
     meta: AttentionMetadata,
     scale: float,
+    kv_scales: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; cache: this layer's.
+    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; cache: this layer's; kv_scales:
+    the checkpoint's (k_scale, v_scale), used when the cache is fp8.
     Returns [T, heads * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     k_cache, v_cache = cache
+    v_scale = 1.0
+    if kv_scales is not None and k_cache.dtype == torch.float8_e4m3fn:
+        k_scale, v_scale = kv_scales
+        k, v = k.div_(k_scale), v.div_(v_scale)
+        scale *= k_scale
     if cpu_kernels.usable(k):  # rounds k and v in place to what the cache holds
         cpu_kernels.ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     else:
@@ -141,6 +151,8 @@ def paged_attention(
             enable_gqa=group > 1,
         )
         out[rows] = o.transpose(1, 2).reshape(seqs * n, num_heads, head_dim)
+    if v_scale != 1.0:
+        out.mul_(v_scale)
     return out.view(num_tokens, num_heads * head_dim)
 
 

@@ -31,6 +31,11 @@ class WeightSource(Protocol):
 
     def linear(self, name: str, parts: list[str]) -> LinearBase: ...
 
+    def kv_scales(self, attn: str) -> tuple[float, float] | None:
+        """(k_scale, v_scale) of an attention module whose checkpoint calibrated an fp8 KV
+        cache, else None."""
+        ...
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, weights: WeightSource, prefix: str) -> None:
@@ -46,6 +51,7 @@ class LlamaDecoderLayer(nn.Module):
             f"{attn}.qkv_proj", [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"]
         )
         self.o_proj = weights.linear(f"{attn}.o_proj", [f"{attn}.o_proj"])
+        self.kv_scales = weights.kv_scales(attn)
         self.post_attention_layernorm = RMSNorm(
             weights.tensor(f"{prefix}.post_attention_layernorm.weight"), eps
         )
@@ -67,7 +73,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.input_layernorm(hidden, residual)
         qkv = self.qkv_proj(hidden)
         q, k, v = rotary.apply(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, cache, meta, self.scale)
+        attn = paged_attention(q, k, v, cache, meta, self.scale, self.kv_scales)
         hidden, residual = self.post_attention_layernorm(self.o_proj(attn), residual)
         return gated_mlp(self.gate_up_proj, self.down_proj, hidden), residual
 
