@@ -41,6 +41,19 @@ def test_method_defaults_resolve() -> None:
     assert auto.needs_calibration and not auto.method_calibrates
 
 
+def test_an_fp8_kv_cache_calibrates_with_any_method() -> None:
+    """Its scales come from activations, so even 16-bit weights need the calibration set; int8
+    K/V is not offered (no engine here reads it)."""
+    kv_only = QuantizationConfig(kv_cache="fp8")
+    assert kv_only.quantizes and kv_only.method_calibrates
+    assert not QuantizationConfig().quantizes
+    assert QuantizationConfig(method="int4-wo", kv_cache="fp8").method_calibrates
+    with pytest.raises(RecipeError, match="method 'none' with kv_cache 'fp8' needs a calibration"):
+        parse_recipe("name: t\nmodel: {source: x}\nquantization: {kv_cache: fp8}\n")
+    with pytest.raises(RecipeError, match="kv_cache: Input should be 'none' or 'fp8'"):
+        parse_recipe("name: t\nmodel: {source: x}\nquantization: {kv_cache: int8}\n")
+
+
 def test_group_size_check_names_layer_field_and_fix(smollm2_checkpoint: Path) -> None:
     with pytest.raises(GroupSizeError) as error:
         check_group_size(smollm2_checkpoint, QuantizationConfig(method="awq"))  # default 128

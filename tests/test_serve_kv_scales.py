@@ -211,3 +211,30 @@ def test_smollm2_fp8_cache_follows_transformers_and_the_artifact_keeps_its_scale
     from_checkpoint, _ = prompt_logprobs(calibrated, prompts)
     assert engine.model_runner.kv_cache_dtype is torch.float8_e4m3fn
     assert torch.equal(from_artifact, from_checkpoint)
+
+
+def test_kv_schemes_the_engine_cannot_serve_are_refused_by_name(
+    wide_tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """int8 or per-token fp8 K/V would need other kernels: refused at load, naming the scheme,
+    not served as if unscaled. A declared scheme without its scales names the missing tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from qpipe.serve.loader import QuantizationConfig
+
+    _, calibrated = wide_tiny
+    raw = json.loads((calibrated / "config.json").read_text())["quantization_config"]
+    for change in ({"type": "int"}, {"dynamic": True, "strategy": "token"}):
+        scheme = {**raw["kv_cache_scheme"], **change}
+        with pytest.raises(ValueError, match="kv_cache_scheme .* is not served; qpipe serves fp8"):
+            QuantizationConfig({**raw, "kv_cache_scheme": scheme})
+
+    broken = tmp_path / "broken"
+    shutil.copytree(calibrated, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.self_attn.v_scale"]
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(KeyError, match="'model.layers.1.self_attn.v_scale' is missing"):
+        LLMEngine(EngineConfig(model=str(broken), dtype="float32", kv_cache_memory_gib=0.01))
