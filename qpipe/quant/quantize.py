@@ -112,11 +112,14 @@ def calibration_dataset(calibration_file: Path) -> Dataset:
 def quantized_linear_names(model: Any) -> set[str]:
     """Linear layers whose weights were quantized (a quantized KV cache alone leaves a scheme
     without weights on every layer, and one on the attention modules)."""
+    import torch
+
     return {
         name
         for name, module in model.named_modules()
-        if getattr(getattr(module, "quantization_scheme", None), "weights", None) is not None
-    } & _linears(model)
+        if isinstance(module, torch.nn.Linear)
+        and getattr(getattr(module, "quantization_scheme", None), "weights", None) is not None
+    }
 
 
 def quantize_checkpoint(
