@@ -600,3 +600,18 @@ def test_freed_memory_stays_in_the_process_on_glibc() -> None:
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt is glibc's")
     assert keep_freed_memory() is True
+
+
+def test_the_whole_model_lands_on_the_serving_device(smollm2_checkpoint: Path) -> None:
+    """Off the CPU, every tensor of the model must be on the target device: a tensor kept outside
+    nn.Module's parameters and buffers is not moved by `.to()` (the first run on a GPU found the
+    embedding left on the CPU). No GPU here: the meta device stands in for it. The tied LM head
+    stays the embedding's tensor, not a second copy."""
+    from qpipe.serve.loader import load_model
+
+    model = load_model(smollm2_checkpoint, torch.float32, "meta", 64, batch_hint=8)
+    tensors = [*model.parameters(), *model.buffers()]
+    assert {t.device.type for t in tensors} == {"meta"}
+    assert model.embed_tokens.device.type == "meta"
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight is model.embed_tokens

@@ -64,7 +64,7 @@ class ArtifactWeights:
         return name in self.linears
 
     def tensor(self, name: str) -> torch.Tensor:
-        return self.file.get_tensor(name).to(self.dtype)
+        return self.file.get_tensor(name).to(self.device, self.dtype)
 
     def kv_scales(self, attn: str) -> tuple[float, float] | None:
         if not self.kv_cache_fp8:

@@ -159,7 +159,7 @@ class CheckpointWeights:
         raw = self._raw(name)
         if raw is None:
             raise KeyError(f"tensor {name!r} is missing from the checkpoint")
-        return raw.to(self.dtype)
+        return raw.to(self.device, self.dtype)
 
     def kv_scales(self, attn: str) -> tuple[float, float] | None:
         return read_kv_scales(self._raw, attn) if self.quantization.kv_cache_fp8 else None

@@ -88,7 +88,10 @@ class LlamaForCausalLM(nn.Module):
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         self.config = config
-        self.embed_tokens = weights.tensor("model.embed_tokens.weight")
+        # a buffer, so that `.to(device)` moves it; a tied head below shares the same tensor
+        self.register_buffer(
+            "embed_tokens", weights.tensor("model.embed_tokens.weight"), persistent=False
+        )
         self.rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, weights, f"model.layers.{i}")
