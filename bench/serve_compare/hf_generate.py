@@ -60,11 +60,14 @@ def run_hf_generate(
     profiles: list[LoadProfile],
     seed: int,
     progress: Progress,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> list[LevelResult]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
     warmup = random_prompts(tokenizer, 1, profiles[0].input_len, WARMUP_OUTPUT_LEN, seed - 1)
     _generate(model, tokenizer, warmup, WARMUP_OUTPUT_LEN)
     levels = []
@@ -97,7 +100,7 @@ def _generate(
             f"prompts re-tokenize to {sorted(lengths)} tokens, not {batch[0].prompt_len}: "
             "a static batch without padding needs equal lengths"
         )
-    input_ids = torch.tensor(ids)
+    input_ids = torch.tensor(ids, device=model.device)
     config = GenerationConfig(
         max_new_tokens=output_len,
         min_new_tokens=output_len,

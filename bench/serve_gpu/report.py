@@ -52,11 +52,13 @@ def main() -> None:
         f"{args.bandwidth_tb_s} TB/s\n"
     )
     print(
-        "| concurrency | CUDA graphs | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
-        "| decode step p50 (ms) | floor (ms) | step / floor |"
+        "| engine | concurrency | CUDA graphs | output tok/s | TTFT p50 / p99 (ms) "
+        "| TPOT p50 / p99 (ms) | decode step p50 (ms) | floor (ms) | step / floor |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: (not r["cuda_graphs"], r["concurrency"])):
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in sorted(
+        rows, key=lambda r: (r.get("engine", "qpipe"), not r["cuda_graphs"], r["concurrency"])
+    ):
         kv_bytes = kv_per_token // 2 * KV_ELEMENT_BYTES.get(r.get("kv_cache_dtype", ""), 2)
         floor = (weights + r["concurrency"] * mean_context * kv_bytes) / (
             args.bandwidth_tb_s * 1e12
@@ -66,7 +68,8 @@ def main() -> None:
         if step:
             step_cells = f"{step:.3f} | {floor * 1e3:.3f} | {step / (floor * 1e3):.1f}x"
         print(
-            f"| {r['concurrency']} | {'yes' if r['cuda_graphs'] else 'no'} "
+            f"| {r.get('engine', 'qpipe')} | {r['concurrency']} "
+            f"| {'yes' if r['cuda_graphs'] else 'no'} "
             f"| {r['output_tok_s']:.0f} "
             f"| {r['ttft_p50_s'] * 1e3:.1f} / {r['ttft_p99_s'] * 1e3:.1f} "
             f"| {r['tpot_p50_ms']:.2f} / {r['tpot_p99_ms']:.2f} | {step_cells} |"

@@ -1,50 +1,84 @@
 #!/usr/bin/env bash
-# On the lent GPU machine, from the repo root, with .device_model carried (see README.md):
-#   bash bench/serve_gpu/run.sh "$OUT"
-# Everything it measures lands in OUT: env.txt, tests.txt, results.jsonl, table.md.
+# On the lent GPU machine, from the repo root, with .device_model and .whl carried (README.md):
+#   bash bench/serve_gpu/run.sh "$OUT" [SECONDS] [STEP ...]
+# Everything it measures lands in OUT. Steps (default: all, in this order) run in order of value;
+# once SECONDS (default 480) have passed, the steps not yet started are skipped (steps.txt says
+# which), so the call ends inside its limit.
 set -uo pipefail
-out=${1:?usage: run.sh OUT_DIR}
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+out=${1:?usage: run.sh OUT_DIR [SECONDS] [STEP ...]}
+budget=${2:-480}
+shift $(( $# >= 2 ? 2 : 1 ))
+steps=${*:-tests graphs eager hf served fp8 kv-fp8}
 py=python3
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+# the image lacks pydantic, fastapi, uvicorn and compressed-tensors: wheels carried in .whl
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   git log --oneline -1; } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
-
+time_left() {  # a step starts only while the budget lasts
+  if (( SECONDS >= budget )); then echo "skipped at ${SECONDS}s: $*" | tee -a "$out/steps.txt"; return 1; fi
+  echo "start at ${SECONDS}s: $*" | tee -a "$out/steps.txt"
+}
+bench() { timeout 75 $py bench/serve_engine/throughput.py --device cuda --dtype bfloat16 "$@"; }
+bf16=/tmp/smollm2-bf16 fp8=/tmp/smollm2-fp8
 # random weights in SmolLM2's shapes: bf16 for speed, fp32 where the tests compare tokens
-$py bench/serve_gpu/random_weights.py .device_model /tmp/smollm2-bf16 --dtype bfloat16 || exit 1
-mkdir -p /tmp/qcache
-$py bench/serve_gpu/random_weights.py .device_model /tmp/qcache/smollm2-135m-fp32 --dtype float32 || exit 1
-$py bench/serve_gpu/random_weights.py .device_model /tmp/smollm2-fp8 --fp8 || exit 1
+$py bench/serve_gpu/random_weights.py .device_model $bf16 --dtype bfloat16 || exit 1
 
-# correctness on the GPU first: CUDA-graph replay vs eager, fp8 tensor cores vs exact fp8
-# products, the weight-only Triton kernel vs the eager layer (and the CPU-side tests of the files)
-QPIPE_TEST_CACHE=/tmp/qcache timeout 180 $py -m pytest -q -p no:cacheprovider \
-  tests/test_decode_graphs.py tests/test_fp8_linear.py tests/test_triton_weight_only.py \
-  2>&1 | tee "$out/tests.txt"
-
-# throughput: issue 6's load (128 in, 64 out, greedy), bf16, graphs on; eager at three points
-for c in 1 8 32 64 128 256; do
-  timeout 60 $py bench/serve_engine/throughput.py /tmp/smollm2-bf16 --device cuda \
-    --dtype bfloat16 --concurrency "$c" --json "$out/results.jsonl"
+for step in $steps; do
+  case $step in
+  tests)  # on the GPU: CUDA-graph replay vs eager, fp8 tensor cores, the Triton weight-only kernel
+    mkdir -p /tmp/qcache
+    $py bench/serve_gpu/random_weights.py .device_model /tmp/qcache/smollm2-135m-fp32 --dtype float32 || exit 1
+    time_left tests && QPIPE_TEST_CACHE=/tmp/qcache timeout 150 $py -m pytest -q -p no:cacheprovider \
+      tests/test_decode_graphs.py tests/test_fp8_linear.py tests/test_triton_weight_only.py \
+      tests/test_serve_engine.py::test_the_whole_model_lands_on_the_serving_device \
+      2>&1 | tee "$out/tests.txt" ;;
+  graphs)  # issue 6's load (128 in, 64 out, greedy), bf16, CUDA graphs on
+    for c in 1 8 32 64 128 256; do
+      time_left "graphs c=$c" && bench $bf16 --concurrency "$c" --json "$out/results.jsonl"
+    done ;;
+  eager)
+    for c in 1 32 256; do
+      time_left "eager c=$c" && bench $bf16 --concurrency "$c" --enforce-eager --json "$out/results.jsonl"
+    done ;;
+  hf)  # the peer the GPU image has: transformers generate, static batches, same load
+    time_left "hf generate" && timeout 120 $py bench/serve_gpu/hf_peer.py $bf16 \
+      --concurrency 1 32 256 --json "$out/results.jsonl" ;;
+  served)  # over HTTP (qpipe serve + qpipe bench, streaming): what a client of the server sees
+    time_left served || continue
+    $py -m qpipe serve $bf16 --device cuda --dtype bfloat16 --max-num-seqs 256 \
+      --gpu-memory-utilization 0.3 --port 8321 > "$out/serve.log" 2>&1 &
+    server=$!
+    for _ in $(seq 120); do
+      curl -sf localhost:8321/health > /dev/null && break
+      kill -0 $server 2> /dev/null || break
+      sleep 1
+    done
+    timeout 120 $py -m qpipe bench --endpoint http://127.0.0.1:8321 --concurrency 1,32,256 \
+      --input-len 128 --output-len 64 --result-file "$out/served.jsonl" 2>&1 | tail -25
+    curl -s localhost:8321/metrics | grep -E "^qpipe:(num_preemptions|generation_tokens)_total"
+    kill -INT $server; wait $server ;;
+  fp8)  # the FP8_DYNAMIC layout on fp8 tensor cores (torch._scaled_mm), graphs on
+    time_left "fp8 weights" && $py bench/serve_gpu/random_weights.py .device_model $fp8 --fp8 || continue
+    for c in 32 256; do
+      time_left "fp8 c=$c" && bench $fp8 --concurrency "$c" --json "$out/results-fp8.jsonl"
+    done ;;
+  kv-fp8)  # an fp8 KV cache under bf16 compute, where decode attention reads the most
+    for c in 64 256; do
+      time_left "kv fp8 c=$c" && bench $bf16 --kv-cache-dtype fp8 --concurrency "$c" --json "$out/results-kv-fp8.jsonl"
+    done ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
 done
-for c in 1 32 256; do
-  timeout 60 $py bench/serve_engine/throughput.py /tmp/smollm2-bf16 --device cuda \
-    --dtype bfloat16 --concurrency "$c" --enforce-eager --json "$out/results.jsonl"
+for results in "$out"/results*.jsonl; do
+  [ -f "$results" ] || continue
+  model=$bf16; [[ $results == */results-fp8.jsonl ]] && model=$fp8
+  $py bench/serve_gpu/report.py "$results" $model | tee "${results%.jsonl}.md"
 done
-$py bench/serve_gpu/report.py "$out/results.jsonl" /tmp/smollm2-bf16 | tee "$out/table.md"
-
-# the FP8_DYNAMIC layout on fp8 tensor cores (torch._scaled_mm), graphs on, last: it may not fit
-for c in 32 256; do
-  timeout 60 $py bench/serve_engine/throughput.py /tmp/smollm2-fp8 --device cuda \
-    --dtype bfloat16 --concurrency "$c" --json "$out/results-fp8.jsonl"
-done
-$py bench/serve_gpu/report.py "$out/results-fp8.jsonl" /tmp/smollm2-fp8 | tee "$out/table-fp8.md"
-
-# an fp8 KV cache (--kv-cache-dtype fp8) under bf16 compute, at the two loads where decode
-# attention reads the most: Triton widens e4m3 on load
-for c in 64 256; do
-  timeout 60 $py bench/serve_engine/throughput.py /tmp/smollm2-bf16 --device cuda \
-    --dtype bfloat16 --kv-cache-dtype fp8 --concurrency "$c" --json "$out/results-kv-fp8.jsonl"
-done
-$py bench/serve_gpu/report.py "$out/results-kv-fp8.jsonl" /tmp/smollm2-bf16 | tee "$out/table-kv-fp8.md"
+echo "done at ${SECONDS}s"
