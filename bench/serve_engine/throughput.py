@@ -3,7 +3,10 @@ tokens, greedy (issue 6's load shape). Not a test: numbers depend on what else r
 
     .venv/bin/python bench/serve_engine/throughput.py CHECKPOINT_OR_ARTIFACT [--concurrency 32]
 
-`--json FILE` appends the figures as one JSON line (bench/serve_gpu/ collects its table that way).
+Several concurrencies (`--concurrency 1 8 32`) run one after another on one engine, each with
+prompts of its own (no prefix-cache hit across levels): on a lent GPU an engine start (load,
+profiling pass, CUDA-graph capture) takes ~20 s, as long as a level's run. `--json FILE` appends
+each level's figures as one JSON line (bench/serve_gpu/ collects its table that way).
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from qpipe.serve.sampling_params import SamplingParams
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--requests", type=int, default=0, help="default: 2 x concurrency")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[32])
+    parser.add_argument(
+        "--requests", type=int, default=0, help="per level; default 2 x concurrency"
+    )
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
@@ -39,7 +44,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs")
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--json", help="append the figures to this file as one JSON line")
+    parser.add_argument("--json", help="append each level's figures to this file as a JSON line")
     args = parser.parse_args()
     engine = LLMEngine(
         EngineConfig(
@@ -50,24 +55,41 @@ def main() -> None:
             block_size=args.block_size,
             kv_cache_memory_gib=args.kv_cache_memory,
             max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=max(args.concurrency, EngineConfig.max_num_seqs),
+            max_num_seqs=max(*args.concurrency, EngineConfig.max_num_seqs),
             enforce_eager=args.enforce_eager,
         )
     )
-    vocab = len(engine.tokenizer)
     gen = torch.Generator().manual_seed(0)
-    total = args.requests or 2 * args.concurrency
-    prompts = [
-        torch.randint(100, vocab - 100, (args.prompt_len,), generator=gen).tolist()
-        for _ in range(total)
-    ]
-    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    speed = measure() if args.device == "cpu" else None  # a shared VM's speed drifts: say it
     # warm-up with a prompt of the measured length but not among them (no prefix-cache hit): the
     # first step of a new shape may pay one-off costs (the H200 run of a 16-token warm-up: c=1 TTFT
     # p99 0.69 s for a 2.7 ms decode step)
-    warmup = torch.randint(100, vocab - 100, (args.prompt_len,), generator=gen).tolist()
+    (warmup,) = random_prompts(engine, gen, 1, args.prompt_len)
     engine.generate([warmup], SamplingParams(max_tokens=2, temperature=0))
+    for concurrency in args.concurrency:
+        figures = run_level(engine, args, concurrency, gen)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(figures) + "\n")
+
+
+def random_prompts(
+    engine: LLMEngine, gen: torch.Generator, count: int, length: int
+) -> list[list[int]]:
+    vocab = len(engine.tokenizer)
+    return [
+        torch.randint(100, vocab - 100, (length,), generator=gen).tolist() for _ in range(count)
+    ]
+
+
+def run_level(
+    engine: LLMEngine, args: argparse.Namespace, concurrency: int, gen: torch.Generator
+) -> dict[str, object]:
+    """One closed-loop level: `concurrency` requests in flight until all have finished."""
+    total = args.requests or 2 * concurrency
+    prompts = random_prompts(engine, gen, total, args.prompt_len)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    speed = measure() if args.device == "cpu" else None  # a shared VM's speed drifts: say it
+    preempted_before = engine.stats().num_preemptions
     added: dict[str, float] = {}
     first: dict[str, float] = {}
     done: dict[str, float] = {}
@@ -81,8 +103,8 @@ def main() -> None:
     decode_steps: list[float] = []  # steps with nothing admitted: decodes only at this load
     while len(done) < total:
         admitted = False
-        while next_prompt < total and len(added) - len(done) < args.concurrency:
-            request_id = str(next_prompt)
+        while next_prompt < total and len(added) - len(done) < concurrency:
+            request_id = f"{concurrency}-{next_prompt}"
             engine.add_request(request_id, prompts[next_prompt], params)
             added[request_id] = time.perf_counter()
             next_prompt += 1
@@ -106,14 +128,16 @@ def main() -> None:
     # the same definitions as `qpipe bench` and `vllm bench serve`
     ttft = Distribution.of([first[r] - added[r] for r in added])
     tpot = Distribution.of([(done[r] - first[r]) / (args.output_len - 1) for r in added])
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks, stats
     figures = {
         "model": args.model,
         "device": args.device,
         "dtype": str(engine.model_runner.dtype).removeprefix("torch."),
         "kv_cache_dtype": engine.model_runner.kv_cache_dtype_name,
-        "preemptions": engine.stats().num_preemptions,
+        "preemptions": stats.num_preemptions - preempted_before,
         "cuda_graphs": engine.model_runner.decode_graphs is not None,
-        "concurrency": args.concurrency,
+        "concurrency": concurrency,
         "requests": total,
         "output_tok_s": total * args.output_len / elapsed,
         "ttft_p50_s": ttft.median / 1e3,
@@ -126,7 +150,7 @@ def main() -> None:
         "machine_speed": speed.to_json() if speed else None,
     }
     print(
-        f"concurrency {args.concurrency}, {total} requests, {steps} steps, "
+        f"concurrency {concurrency}, {total} requests, {steps} steps, "
         f"{torch.get_num_threads()} threads: {figures['output_tok_s']:.1f} output tok/s, "
         f"TTFT p50 {figures['ttft_p50_s']:.2f}s p99 {figures['ttft_p99_s']:.2f}s, "
         f"TPOT p50 {figures['tpot_p50_ms']:.0f}ms, {figures['preemptions']} preemptions, "
@@ -134,11 +158,7 @@ def main() -> None:
     )
     if speed:
         print(f"machine before the run: {speed.describe()}")
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(figures) + "\n")
-    stats = engine.stats()
-    assert stats.num_free_blocks == stats.num_total_blocks, stats
+    return figures
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ time_left() {  # a step starts only while the budget lasts
   if (( SECONDS >= budget )); then echo "skipped at ${SECONDS}s: $*" | tee -a "$out/steps.txt"; return 1; fi
   echo "start at ${SECONDS}s: $*" | tee -a "$out/steps.txt"
 }
-bench() { timeout 75 $py bench/serve_engine/throughput.py --device cuda --dtype bfloat16 "$@"; }
+# one engine per call, its levels one after another (a level's JSON line is written as it ends)
+bench() { timeout 150 $py bench/serve_engine/throughput.py --device cuda --dtype bfloat16 "$@"; }
 bf16=/tmp/smollm2-bf16 fp8=/tmp/smollm2-fp8
 # random weights in SmolLM2's shapes: bf16 for speed, fp32 where the tests compare tokens
 $py bench/serve_gpu/random_weights.py .device_model $bf16 --dtype bfloat16 || exit 1
@@ -40,13 +41,9 @@ for step in $steps; do
       tests/test_serve_engine.py::test_the_whole_model_lands_on_the_serving_device \
       2>&1 | tee "$out/tests.txt" ;;
   graphs)  # issue 6's load (128 in, 64 out, greedy), bf16, CUDA graphs on
-    for c in 1 8 32 64 128 256; do
-      time_left "graphs c=$c" && bench $bf16 --concurrency "$c" --json "$out/results.jsonl"
-    done ;;
+    time_left graphs && bench $bf16 --concurrency 1 8 32 64 128 256 --json "$out/results.jsonl" ;;
   eager)
-    for c in 1 32 256; do
-      time_left "eager c=$c" && bench $bf16 --concurrency "$c" --enforce-eager --json "$out/results.jsonl"
-    done ;;
+    time_left eager && bench $bf16 --concurrency 1 32 256 --enforce-eager --json "$out/results.jsonl" ;;
   hf)  # the peer the GPU image has: transformers generate, static batches, same load
     time_left "hf generate" && timeout 120 $py bench/serve_gpu/hf_peer.py $bf16 \
       --concurrency 1 32 256 --json "$out/results.jsonl" ;;
@@ -65,14 +62,11 @@ for step in $steps; do
     curl -s localhost:8321/metrics | grep -E "^qpipe:(num_preemptions|generation_tokens)_total"
     kill -INT $server; wait $server ;;
   fp8)  # the FP8_DYNAMIC layout on fp8 tensor cores (torch._scaled_mm), graphs on
-    time_left "fp8 weights" && $py bench/serve_gpu/random_weights.py .device_model $fp8 --fp8 || continue
-    for c in 32 256; do
-      time_left "fp8 c=$c" && bench $fp8 --concurrency "$c" --json "$out/results-fp8.jsonl"
-    done ;;
+    time_left fp8 || continue
+    $py bench/serve_gpu/random_weights.py .device_model $fp8 --fp8 || continue
+    bench $fp8 --concurrency 32 256 --json "$out/results-fp8.jsonl" ;;
   kv-fp8)  # an fp8 KV cache under bf16 compute, where decode attention reads the most
-    for c in 64 256; do
-      time_left "kv fp8 c=$c" && bench $bf16 --kv-cache-dtype fp8 --concurrency "$c" --json "$out/results-kv-fp8.jsonl"
-    done ;;
+    time_left kv-fp8 && bench $bf16 --kv-cache-dtype fp8 --concurrency 64 256 --json "$out/results-kv-fp8.jsonl" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
