@@ -124,7 +124,10 @@ def run_level(
     cpu = time.process_time() - cpu_start
     if profiler:
         profiler.stop()
-        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        averages = profiler.key_averages()
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=25))
+        if args.device == "cuda":  # what the GPU ran, against the host time above
+            print(averages.table(sort_by="self_device_time_total", row_limit=15))
     # the same definitions as `qpipe bench` and `vllm bench serve`
     ttft = Distribution.of([first[r] - added[r] for r in added])
     tpot = Distribution.of([(done[r] - first[r]) / (args.output_len - 1) for r in added])

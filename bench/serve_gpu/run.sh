@@ -8,7 +8,7 @@ set -uo pipefail
 out=${1:?usage: run.sh OUT_DIR [SECONDS] [STEP ...]}
 budget=${2:-480}
 shift $(( $# >= 2 ? 2 : 1 ))
-steps=${*:-tests graphs eager hf served fp8 kv-fp8}
+steps=${*:-tests graphs eager hf served profile fp8 kv-fp8}
 py=python3
 # the image lacks pydantic, fastapi, uvicorn and compressed-tensors: wheels carried in .whl
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -67,6 +67,8 @@ for step in $steps; do
     bench $fp8 --concurrency 32 256 --json "$out/results-fp8.jsonl" ;;
   kv-fp8)  # an fp8 KV cache under bf16 compute, where decode attention reads the most
     time_left kv-fp8 && bench $bf16 --kv-cache-dtype fp8 --concurrency 64 256 --json "$out/results-kv-fp8.jsonl" ;;
+  profile)  # host against device time per op at c=64, where the step grows 22 us per sequence
+    time_left profile && bench $bf16 --concurrency 64 --profile > "$out/profile-c64.txt" 2>&1 ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
