@@ -63,7 +63,7 @@ def main() -> None:
     # warm-up with a prompt of the measured length but not among them (no prefix-cache hit): the
     # first step of a new shape may pay one-off costs (the H200 run of a 16-token warm-up: c=1 TTFT
     # p99 0.69 s for a 2.7 ms decode step)
-    (warmup,) = random_prompts(engine, gen, 1, args.prompt_len)
+    (warmup,) = token_prompts(engine, gen, 1, args.prompt_len)
     engine.generate([warmup], SamplingParams(max_tokens=2, temperature=0))
     for concurrency in args.concurrency:
         figures = run_level(engine, args, concurrency, gen)
@@ -72,7 +72,7 @@ def main() -> None:
                 f.write(json.dumps(figures) + "\n")
 
 
-def random_prompts(
+def token_prompts(
     engine: LLMEngine, gen: torch.Generator, count: int, length: int
 ) -> list[list[int]]:
     vocab = len(engine.tokenizer)
@@ -86,7 +86,7 @@ def run_level(
 ) -> dict[str, object]:
     """One closed-loop level: `concurrency` requests in flight until all have finished."""
     total = args.requests or 2 * concurrency
-    prompts = random_prompts(engine, gen, total, args.prompt_len)
+    prompts = token_prompts(engine, gen, total, args.prompt_len)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     speed = measure() if args.device == "cpu" else None  # a shared VM's speed drifts: say it
     preempted_before = engine.stats().num_preemptions

@@ -251,16 +251,6 @@ def read_config_json(path: Path) -> dict:
     return json.loads(file.read_text())
 
 
-def has_fp8_kv_scales(path: Path, config: dict) -> bool:
-    """Whether a checkpoint (its `config`) or a qpipe artifact calibrated an fp8 KV cache."""
-    from qpipe.serve.artifact import ARTIFACT_MARKER
-
-    marker = path / ARTIFACT_MARKER
-    if marker.is_file():
-        return json.loads(marker.read_text()).get("kv_cache") == "fp8"
-    return QuantizationConfig(config.get("quantization_config")).kv_cache_fp8
-
-
 def resolve_dtype(requested: str, device: str, checkpoint: dict) -> torch.dtype:
     """ "auto" computes in 16 bits wherever the hardware multiplies 16-bit values: the checkpoint's
     16-bit dtype on GPU (bf16 when it is stored in fp32), bf16 on CPUs with a bf16 dot product

@@ -19,7 +19,7 @@ from qpipe.serve.layers import cpu_kernels, triton_attention
 from qpipe.serve.layers.attention import AttentionMetadata, PrefillSpan, layer_caches
 from qpipe.serve.layers.linear import FP8_CAPABILITY
 from qpipe.serve.layers.sampler import sample, token_logprobs
-from qpipe.serve.loader import has_fp8_kv_scales, load_model, read_config_json, resolve_dtype
+from qpipe.serve.loader import load_model, read_config_json, resolve_dtype
 from qpipe.serve.models.llama import head_dim_of
 from qpipe.serve.sampling_params import SamplingParams
 from qpipe.serve.scheduler import ScheduledBatch, ScheduledSeq
@@ -55,9 +55,6 @@ class ModelRunner:
         path = Path(config.model)
         raw = read_config_json(path)
         self.dtype = resolve_dtype(config.dtype, config.device, raw)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(
-            config.kv_cache_dtype, self.dtype, self.device, has_fp8_kv_scales(path, raw)
-        )
         limit = raw.get("max_position_embeddings", config.max_model_len_cap)
         limit_name = "max_position_embeddings"
         window = sliding_window(raw)
@@ -74,6 +71,11 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model = load_model(
             path, self.dtype, config.device, max_len, batch_hint=min(config.max_num_seqs, 256)
+        )
+        # the loaded layers hold the checkpoint's (or artifact's) fp8 KV scales, if it has them
+        calibrated = any(layer.kv_scales is not None for layer in self.model.layers)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            config.kv_cache_dtype, self.dtype, self.device, calibrated
         )
         self._log_kv_scales()
         hf = self.model.config
