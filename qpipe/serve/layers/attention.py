@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from qpipe.serve.layers import cpu_kernels, triton_attention
+from qpipe.serve.layers.elementwise_ops import fused_ops
 from qpipe.serve.layers.linear import FP8_MAX
 
 
@@ -99,8 +100,9 @@ def paged_attention(
         k_scale, v_scale = kv_scales
         k, v = k.div_(k_scale), v.div_(v_scale)
         scale *= k_scale
-    if cpu_kernels.usable(k):  # rounds k and v in place to what the cache holds
-        cpu_kernels.ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    ops = fused_ops(k)
+    if ops is not None:  # rounds k and v in place to what the cache holds
+        ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     else:
         k, v = _write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = q.new_empty(q.shape)
@@ -163,8 +165,9 @@ def _write_kv(
     v: torch.Tensor,
     slots: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The C++ `write_kv` in torch ops (GPU, or CPU without the kernels): writes k and v into
-    their slots and returns them as the cache now holds them, in their own dtype."""
+    """The fused kernels' `write_kv` in torch ops (where none takes this device and dtype):
+    writes k and v into their slots and returns them as the cache now holds them, in their own
+    dtype."""
     stored_k, stored_v = _as_cached(k, k_cache.dtype), _as_cached(v, v_cache.dtype)
     block_size = k_cache.shape[3]
     k_cache.permute(0, 3, 1, 2).index_put_((slots // block_size, slots % block_size), stored_k)

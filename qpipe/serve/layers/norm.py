@@ -1,7 +1,7 @@
 """RMSNorm as Llama computes it: statistics in fp32, scale applied in the model dtype.
 
 With a residual it is the fused "residual += x; x = norm(residual)" that joins two layers (as in
-vLLM), which the CPU kernel does in one pass over the row.
+vLLM), which the fused kernels (C++ on CPU, Triton on GPU) do in one pass over the row.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qpipe.serve.layers import cpu_kernels
+from qpipe.serve.layers.elementwise_ops import fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -22,13 +22,14 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(normalized, residual stream): without `residual`, `x` is the stream. With it, both
-        tensors are updated in place where the CPU kernel runs."""
-        if cpu_kernels.usable(x) and x.dim() == 2:
+        tensors are updated in place where a fused kernel runs."""
+        ops = fused_ops(x)
+        if ops is not None and x.dim() == 2:
             if residual is None:
                 out = torch.empty_like(x)
-                cpu_kernels.ops.rms_norm(out, x, self.weight, self.eps)
+                ops.rms_norm(out, x, self.weight, self.eps)
                 return out, x
-            cpu_kernels.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
             return x, residual
         stream = x if residual is None else residual + x
         return self._eager(stream), stream

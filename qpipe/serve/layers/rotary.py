@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from qpipe.serve.layers import cpu_kernels
+from qpipe.serve.layers.elementwise_ops import fused_ops
 
 
 def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -43,10 +43,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling)
         self.register_buffer("sin", emb.sin() * scaling * sign)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
-        """Built once per forward: every layer rotates at the same positions. The CPU kernel reads
-        the fp32 tables by position itself; the eager path gets them looked up in `dtype`."""
-        if cpu_kernels.serves(positions.device, dtype):
+    def tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> RotaryTables:
+        """Built once per forward: every layer rotates at the same positions. A fused kernel
+        for `hidden`'s device and dtype reads the fp32 tables by position itself; the eager path
+        gets them looked up in `hidden`'s dtype."""
+        dtype = hidden.dtype
+        if fused_ops(hidden) is not None:
             return RotaryTables(positions, self.cos, self.sin, None, None)
         cos = self.cos[positions].unsqueeze(1).to(dtype)
         sin = self.sin[positions].unsqueeze(1).to(dtype)
@@ -67,7 +69,9 @@ class RotaryTables(NamedTuple):
         with q and k rotated (in place on the kernel path)."""
         t = qkv.shape[0]
         if self.cos is None:
-            cpu_kernels.ops.rotary(
+            ops = fused_ops(qkv)
+            assert ops is not None, "tables without lookups are built only where a kernel runs"
+            ops.rotary(
                 qkv, self.positions, self.cos_cache, self.sin_cache, heads + kv_heads, head_dim
             )
             qkv3 = qkv.view(t, heads + 2 * kv_heads, head_dim)

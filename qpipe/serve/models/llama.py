@@ -128,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         """The normalized last hidden states at `indices`, for callers that project them in
         slices (prompt logprobs: one row per prompt token, a [rows, vocab] tensor at once)."""
         hidden = F.embedding(input_ids, self.embed_tokens)
-        rotary = self.rotary.tables(positions, hidden.dtype)
+        rotary = self.rotary.tables(hidden, positions)
         residual = None
         for layer, cache in zip(self.layers, caches, strict=True):
             hidden, residual = layer(hidden, residual, rotary, cache, meta)

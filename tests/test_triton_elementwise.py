@@ -1,0 +1,225 @@
+"""The GPU elementwise kernels (Triton: RMSNorm with and without the residual add, rotary, SiLU *
+up, the KV cache write) against the eager torch ops they replace, and in the engine on SmolLM2
+against transformers, run on CPU by Triton's interpreter. The interpreter is chosen when a kernel
+is defined, so each check runs in a child process with TRITON_INTERPRET=1 (this file is also that
+child's script)."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROWS = [1, 5, 33]  # one decode row, a few, a prefill chunk
+WIDTHS = [576, 64]  # SmolLM2's hidden size (not a power of two: masked lanes), a tiny one
+DTYPES = [torch.float32, torch.bfloat16]
+# rows of a wider buffer: the kernels follow row strides (the residual stream's rows are dense,
+# but a norm's input may be a slice of the batch, as the final norm's is)
+PADDING = 8
+
+
+def _rows(rows: int, width: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return (torch.randn(rows, width + PADDING, generator=gen) * 3).to(dtype)[:, :width]
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """fp32: sums in another order; bf16: an fp32 value one ulp apart may round to the
+    neighbouring bf16 value before a second rounded product (2^-7 relative each)."""
+    if dtype is torch.float32:
+        return {"atol": 1e-5, "rtol": 1e-5}
+    return {"atol": 1e-2, "rtol": 1.6e-2}
+
+
+def _norms(gen: torch.Generator) -> None:
+    from qpipe.serve.layers import triton_elementwise
+    from qpipe.serve.layers.norm import RMSNorm
+
+    for rows in ROWS:
+        for width in WIDTHS:
+            for dtype in DTYPES:
+                norm = RMSNorm(torch.rand(width, generator=gen).to(dtype) + 0.5, 1e-5)
+                x, residual = _rows(rows, width, dtype, gen), _rows(rows, width, dtype, gen)
+                out = torch.full_like(x, float("nan"))
+                triton_elementwise.rms_norm(out, x, norm.weight, norm.eps)
+                torch.testing.assert_close(out, norm._eager(x), **_tolerance(dtype))
+
+                stream = residual + x  # the eager add, rounded to dtype
+                expected = norm._eager(stream)
+                triton_elementwise.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+                assert torch.equal(residual, stream)
+                torch.testing.assert_close(x, expected, **_tolerance(dtype))
+                print(f"ok norm {rows} x {width} {dtype}")
+
+
+def _silu(gen: torch.Generator) -> None:
+    from qpipe.serve.layers import triton_elementwise
+
+    for rows in ROWS:
+        for n in (1536, 96):  # SmolLM2's intermediate size (two programs a row), a small one
+            for dtype in DTYPES:
+                x = _rows(rows, 2 * n, dtype, gen)
+                out = torch.full((rows, n), float("nan"), dtype=dtype)
+                triton_elementwise.silu_and_mul(out, x)
+                gate, up = x.chunk(2, dim=-1)
+                torch.testing.assert_close(out, F.silu(gate) * up, **_tolerance(dtype))
+                print(f"ok silu {rows} x {n} {dtype}")
+
+
+def _rotary(gen: torch.Generator) -> None:
+    from transformers import LlamaConfig
+
+    from qpipe.serve.layers import triton_elementwise
+    from qpipe.serve.layers.rotary import RotaryEmbedding
+
+    for heads, kv_heads, head_dim in ((9, 3, 64), (4, 2, 128), (2, 1, 48)):
+        config = LlamaConfig(
+            hidden_size=heads * head_dim, num_attention_heads=heads, rope_theta=100000.0
+        )
+        rope = RotaryEmbedding(config, head_dim, 512)
+        for rows in ROWS:
+            for dtype in DTYPES:
+                width = (heads + 2 * kv_heads) * head_dim
+                qkv = _rows(rows, width, dtype, gen)
+                positions = torch.randint(0, 512, (rows,), generator=gen)
+                # x * cos + roll(x, half) * sin in fp32, rounded once (the C++ kernel's rounding)
+                heads_of = qkv.float().view(rows, -1, head_dim)
+                expected = heads_of.clone()
+                rotated = heads_of[:, : heads + kv_heads]
+                cos, sin = rope.cos[positions][:, None], rope.sin[positions][:, None]
+                expected[:, : heads + kv_heads] = (
+                    rotated * cos + rotated.roll(head_dim // 2, dims=-1) * sin
+                )
+                expected = expected.flatten(1).to(dtype)
+                triton_elementwise.rotary(
+                    qkv, positions, rope.cos, rope.sin, heads + kv_heads, head_dim
+                )
+                torch.testing.assert_close(qkv, expected, **_tolerance(dtype))
+                print(f"ok rotary {heads}/{kv_heads} heads of {head_dim}, {rows} rows {dtype}")
+
+
+def _write_kv(gen: torch.Generator) -> None:
+    from qpipe.serve.layers import triton_elementwise
+    from qpipe.serve.layers.attention import _write_kv, cache_views
+
+    # (model dtype, cache dtype): the model's own, and kv_cache_dtype's narrower caches
+    pairs = [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float8_e4m3fn),
+    ]
+    for kv_heads, head_dim, block_size in ((3, 64, 16), (2, 48, 32)):
+        for rows in ROWS:
+            for dtype, cache_dtype in pairs:
+                blocks = 8
+                slots = torch.randperm(blocks * block_size, generator=gen)[:rows]
+                # k and v as the layer hands them over: views into the fused projection's rows
+                # magnitudes from 1e-4 (fp8's subnormals) to 1e3 (beyond its 448)
+                qkv = torch.randn(rows, 4 * kv_heads * head_dim, generator=gen)
+                qkv *= 10 ** (torch.rand(qkv.shape, generator=gen) * 7 - 4)
+                qkv = qkv.to(dtype).view(rows, 4 * kv_heads, head_dim)
+                k, v = qkv[:, 2 * kv_heads : 3 * kv_heads], qkv[:, 3 * kv_heads :]
+                caches = []
+                for _ in range(2):
+                    cache = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=gen)
+                    caches.append(cache.to(cache_dtype))
+                caches[1].copy_(caches[0])
+                want_k, want_v = _write_kv(*cache_views(caches[0]), k, v, slots)
+                triton_elementwise.write_kv(*cache_views(caches[1]), k, v, slots)
+                for got, want in ((caches[1], caches[0]), (k, want_k), (v, want_v)):
+                    assert torch.equal(got.float(), want.float())
+                print(f"ok write_kv {kv_heads} x {head_dim}, {rows} rows {dtype} -> {cache_dtype}")
+
+
+def _compare_in_interpreter() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for check in (_norms, _silu, _rotary, _write_kv):
+        check(gen)
+
+
+EXPECTED = {
+    "norm": len(ROWS) * len(WIDTHS) * len(DTYPES),
+    "silu": len(ROWS) * 2 * len(DTYPES),
+    "rotary": 3 * len(ROWS) * len(DTYPES),
+    "write_kv": 2 * len(ROWS) * 4,
+}
+
+
+def _engine_in_interpreter(checkpoint: str) -> None:
+    """Greedy tokens of the engine whose layers run the Triton kernels, as they do on a GPU,
+    against transformers' on SmolLM2 (fp32): the parent takes the C++ kernels away
+    (QPIPE_CPU_KERNELS=0) and `usable` here lets the Triton ones take CPU tensors. Attention
+    itself runs through SDPA: the Triton decode kernel has its own test."""
+    from transformers import AutoModelForCausalLM
+
+    from qpipe.serve.config import EngineConfig
+    from qpipe.serve.engine import LLMEngine
+    from qpipe.serve.layers import triton_elementwise
+    from qpipe.serve.sampling_params import SamplingParams
+
+    calls: Counter[str] = Counter()
+
+    def counted(name: str):  # noqa: ANN202 - wraps one of the module's kernels
+        kernel = getattr(triton_elementwise, name)
+
+        def call(*args: object) -> None:
+            calls[name] += 1
+            kernel(*args)
+
+        return call
+
+    for name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "write_kv"):
+        setattr(triton_elementwise, name, counted(name))
+    triton_elementwise.usable = lambda x: x.dtype in triton_elementwise.DTYPES
+    engine = LLMEngine(
+        # a fixed block count skips the profiling pass: the interpreter would take minutes on it
+        EngineConfig(model=checkpoint, device="cpu", num_kv_blocks=16, max_num_seqs=4)
+    )
+    prompts = [engine.tokenizer(text).input_ids for text in ENGINE_PROMPTS]
+    got = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    layers = engine.model_runner.num_layers
+    for prompt, tokens in zip(prompts, got, strict=True):
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+        assert tokens == out[0, len(prompt) :].tolist(), (prompt, tokens)
+    steps = 6  # one prefill step of all prompts, then five decode steps
+    assert calls["rms_norm"] == steps, calls  # the first layer's input norm
+    assert calls["fused_add_rms_norm"] == steps * (2 * layers - 1 + 1), calls  # and the final
+    for name in ("rotary", "silu_and_mul", "write_kv"):
+        assert calls[name] == steps * layers, calls
+    print("ok engine")
+
+
+ENGINE_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time"]
+
+
+def test_triton_elementwise_kernels_equal_the_eager_ops_in_the_interpreter() -> None:
+    from tests.triton_interpreter import run_interpreted  # not in the child, which runs this file
+
+    stdout = run_interpreted(__file__)
+    for name, count in EXPECTED.items():
+        assert stdout.count(f"ok {name} ") == count, stdout
+
+
+@pytest.mark.slow
+def test_the_gpu_paths_elementwise_kernels_give_transformers_greedy_tokens(
+    smollm2_checkpoint: Path,
+) -> None:
+    from tests.triton_interpreter import run_interpreted
+
+    stdout = run_interpreted(
+        __file__, "engine", str(smollm2_checkpoint), env={"QPIPE_CPU_KERNELS": "0"}
+    )
+    assert "ok engine" in stdout, stdout
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["engine"]:
+        _engine_in_interpreter(sys.argv[2])
+    else:
+        _compare_in_interpreter()
