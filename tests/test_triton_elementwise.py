@@ -26,6 +26,10 @@ def _rows(rows: int, width: int, dtype: torch.dtype, gen: torch.Generator) -> to
     return (torch.randn(rows, width + PADDING, generator=gen) * 3).to(dtype)[:, :width]
 
 
+def _on(device: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(device) for t in tensors]
+
+
 def _tolerance(dtype: torch.dtype) -> dict[str, float]:
     """fp32: sums in another order; bf16: an fp32 value one ulp apart may round to the
     neighbouring bf16 value before a second rounded product (2^-7 relative each)."""
@@ -34,15 +38,17 @@ def _tolerance(dtype: torch.dtype) -> dict[str, float]:
     return {"atol": 1e-2, "rtol": 1.6e-2}
 
 
-def _norms(gen: torch.Generator) -> None:
+def _norms(gen: torch.Generator, device: str) -> None:
     from qpipe.serve.layers import triton_elementwise
     from qpipe.serve.layers.norm import RMSNorm
 
     for rows in ROWS:
         for width in WIDTHS:
             for dtype in DTYPES:
-                norm = RMSNorm(torch.rand(width, generator=gen).to(dtype) + 0.5, 1e-5)
-                x, residual = _rows(rows, width, dtype, gen), _rows(rows, width, dtype, gen)
+                norm = RMSNorm(torch.rand(width, generator=gen).to(dtype) + 0.5, 1e-5).to(device)
+                x, residual = _on(
+                    device, _rows(rows, width, dtype, gen), _rows(rows, width, dtype, gen)
+                )
                 out = torch.full_like(x, float("nan"))
                 triton_elementwise.rms_norm(out, x, norm.weight, norm.eps)
                 torch.testing.assert_close(out, norm._eager(x), **_tolerance(dtype))
@@ -55,21 +61,21 @@ def _norms(gen: torch.Generator) -> None:
                 print(f"ok norm {rows} x {width} {dtype}")
 
 
-def _silu(gen: torch.Generator) -> None:
+def _silu(gen: torch.Generator, device: str) -> None:
     from qpipe.serve.layers import triton_elementwise
 
     for rows in ROWS:
         for n in (1536, 96):  # SmolLM2's intermediate size (two programs a row), a small one
             for dtype in DTYPES:
-                x = _rows(rows, 2 * n, dtype, gen)
-                out = torch.full((rows, n), float("nan"), dtype=dtype)
+                (x,) = _on(device, _rows(rows, 2 * n, dtype, gen))
+                out = torch.full((rows, n), float("nan"), dtype=dtype, device=device)
                 triton_elementwise.silu_and_mul(out, x)
                 gate, up = x.chunk(2, dim=-1)
                 torch.testing.assert_close(out, F.silu(gate) * up, **_tolerance(dtype))
                 print(f"ok silu {rows} x {n} {dtype}")
 
 
-def _rotary(gen: torch.Generator) -> None:
+def _rotary(gen: torch.Generator, device: str) -> None:
     from transformers import LlamaConfig
 
     from qpipe.serve.layers import triton_elementwise
@@ -79,12 +85,15 @@ def _rotary(gen: torch.Generator) -> None:
         config = LlamaConfig(
             hidden_size=heads * head_dim, num_attention_heads=heads, rope_theta=100000.0
         )
-        rope = RotaryEmbedding(config, head_dim, 512)
+        rope = RotaryEmbedding(config, head_dim, 512).to(device)
         for rows in ROWS:
             for dtype in DTYPES:
                 width = (heads + 2 * kv_heads) * head_dim
-                qkv = _rows(rows, width, dtype, gen)
-                positions = torch.randint(0, 512, (rows,), generator=gen)
+                qkv, positions = _on(
+                    device,
+                    _rows(rows, width, dtype, gen),
+                    torch.randint(0, 512, (rows,), generator=gen),
+                )
                 # x * cos + roll(x, half) * sin in fp32, rounded once (the C++ kernel's rounding)
                 heads_of = qkv.float().view(rows, -1, head_dim)
                 expected = heads_of.clone()
@@ -101,7 +110,7 @@ def _rotary(gen: torch.Generator) -> None:
                 print(f"ok rotary {heads}/{kv_heads} heads of {head_dim}, {rows} rows {dtype}")
 
 
-def _write_kv(gen: torch.Generator) -> None:
+def _write_kv(gen: torch.Generator, device: str) -> None:
     from qpipe.serve.layers import triton_elementwise
     from qpipe.serve.layers.attention import _write_kv, cache_views
 
@@ -116,17 +125,17 @@ def _write_kv(gen: torch.Generator) -> None:
         for rows in ROWS:
             for dtype, cache_dtype in pairs:
                 blocks = 8
-                slots = torch.randperm(blocks * block_size, generator=gen)[:rows]
+                (slots,) = _on(device, torch.randperm(blocks * block_size, generator=gen)[:rows])
                 # k and v as the layer hands them over: views into the fused projection's rows
                 # magnitudes from 1e-4 (fp8's subnormals) to 1e3 (beyond its 448)
                 qkv = torch.randn(rows, 4 * kv_heads * head_dim, generator=gen)
                 qkv *= 10 ** (torch.rand(qkv.shape, generator=gen) * 7 - 4)
-                qkv = qkv.to(dtype).view(rows, 4 * kv_heads, head_dim)
+                qkv = qkv.to(device, dtype).view(rows, 4 * kv_heads, head_dim)
                 k, v = qkv[:, 2 * kv_heads : 3 * kv_heads], qkv[:, 3 * kv_heads :]
                 caches = []
                 for _ in range(2):
                     cache = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=gen)
-                    caches.append(cache.to(cache_dtype))
+                    caches.append(cache.to(device, cache_dtype))
                 caches[1].copy_(caches[0])
                 want_k, want_v = _write_kv(*cache_views(caches[0]), k, v, slots)
                 triton_elementwise.write_kv(*cache_views(caches[1]), k, v, slots)
@@ -135,10 +144,10 @@ def _write_kv(gen: torch.Generator) -> None:
                 print(f"ok write_kv {kv_heads} x {head_dim}, {rows} rows {dtype} -> {cache_dtype}")
 
 
-def _compare_in_interpreter() -> None:
+def _compare(device: str) -> None:
     gen = torch.Generator().manual_seed(0)
     for check in (_norms, _silu, _rotary, _write_kv):
-        check(gen)
+        check(gen, device)
 
 
 EXPECTED = {
@@ -206,6 +215,16 @@ def test_triton_elementwise_kernels_equal_the_eager_ops_in_the_interpreter() -> 
         assert stdout.count(f"ok {name} ") == count, stdout
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_triton_elementwise_kernels_equal_the_eager_ops_on_the_gpu(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _compare("cuda")
+    stdout = capsys.readouterr().out
+    for name, count in EXPECTED.items():
+        assert stdout.count(f"ok {name} ") == count, stdout
+
+
 @pytest.mark.slow
 def test_the_gpu_paths_elementwise_kernels_give_transformers_greedy_tokens(
     smollm2_checkpoint: Path,
@@ -222,4 +241,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["engine"]:
         _engine_in_interpreter(sys.argv[2])
     else:
-        _compare_in_interpreter()
+        _compare("cpu")

@@ -33,12 +33,13 @@ $py bench/serve_gpu/random_weights.py .device_model $bf16 --dtype bfloat16 || ex
 
 for step in $steps; do
   case $step in
-  tests)  # on the GPU: CUDA-graph replay vs eager, fp8 tensor cores, the Triton weight-only kernel
+  tests)  # on the GPU: CUDA-graph replay vs eager, fp8 tensor cores, the Triton kernels
     mkdir -p /tmp/qcache
     $py bench/serve_gpu/random_weights.py .device_model /tmp/qcache/smollm2-135m-fp32 --dtype float32 || exit 1
     time_left tests && QPIPE_TEST_CACHE=/tmp/qcache timeout 150 $py -m pytest -q -p no:cacheprovider \
       tests/test_decode_graphs.py tests/test_fp8_linear.py tests/test_triton_weight_only.py \
       tests/test_serve_engine.py::test_the_whole_model_lands_on_the_serving_device \
+      tests/test_triton_elementwise.py::test_triton_elementwise_kernels_equal_the_eager_ops_on_the_gpu \
       2>&1 | tee "$out/tests.txt" ;;
   graphs)  # issue 6's load (128 in, 64 out, greedy), bf16, CUDA graphs on
     time_left graphs && bench $bf16 --concurrency 1 8 32 64 128 256 --json "$out/results.jsonl" ;;
