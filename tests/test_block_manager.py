@@ -105,15 +105,16 @@ def test_append_slot_takes_a_block_only_at_a_boundary() -> None:
     bm = BlockManager(3, BS, enable_prefix_caching=True)
     s = _allocated(bm, seq([1, 2, 3, 4]))
     s.token_ids.append(5)
-    assert bm.can_append(s)
-    bm.append_slot(s)
+    assert bm.append_slot(s)
     assert len(s.block_table) == 2
     s.token_ids.append(6)
-    bm.append_slot(s)
+    assert bm.append_slot(s)
     assert len(s.block_table) == 2
     other = _allocated(bm, seq([9]))
     s.token_ids.extend([7, 8, 9])
-    assert not bm.can_append(s)
+    free = bm.num_free_blocks
+    assert not bm.append_slot(s)  # the cache is full: nothing taken
+    assert len(s.block_table) == 2 and bm.num_free_blocks == free == 0
     bm.free_blocks(other)
     bm.free_blocks(s)
 

@@ -101,13 +101,15 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the slot for `seq`'s newest token exists or a free block can hold it."""
-        return len(seq.block_table) >= self.blocks_needed(seq.num_tokens) or bool(self.free)
-
-    def append_slot(self, seq: Sequence) -> None:
-        if len(seq.block_table) < self.blocks_needed(seq.num_tokens):
-            seq.block_table.append(self._take_fresh_block())
+    def append_slot(self, seq: Sequence) -> bool:
+        """A slot for `seq`'s newest token: True if its blocks have one or a free block now
+        does, False (nothing taken) if the cache is full. One call per decode per step."""
+        if len(seq.block_table) * self.block_size >= len(seq.token_ids):
+            return True
+        if not self.free:
+            return False
+        seq.block_table.append(self._take_fresh_block())
+        return True
 
     def register_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Publish the full blocks among `seq`'s first `num_tokens` tokens in the prefix cache:

@@ -280,15 +280,15 @@ class ModelRunner:
 
     def _decode_rows(self, decodes: list[ScheduledSeq]) -> DecodeRows:
         bs = self.block_size
-        rows = DecodeRows()
-        for item in decodes:
-            seq, p = item.seq, item.start
-            rows.ids.append(seq.token_ids[p])
-            rows.positions.append(p)
-            rows.slots.append(seq.block_table[p // bs] * bs + p % bs)
-            rows.tables.append(seq.block_table)
-            rows.context_lens.append(p + 1)
-        return rows
+        positions = [item.start for item in decodes]
+        tables = [item.seq.block_table for item in decodes]
+        return DecodeRows(
+            ids=[item.seq.token_ids[item.start] for item in decodes],
+            positions=positions,
+            slots=[t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)],
+            tables=tables,
+            context_lens=[p + 1 for p in positions],
+        )
 
     def _prepare(
         self, rows: DecodeRows, prefills: list[ScheduledSeq]
