@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-ROWS = [1, 5, 33]  # one decode row, a few, a prefill chunk
+# none (a step's final norm may have no row), one decode row, a few, a prefill chunk
+ROWS = [0, 1, 5, 33]
 WIDTHS = [576, 64]  # SmolLM2's hidden size (not a power of two: masked lanes), a tiny one
 DTYPES = [torch.float32, torch.bfloat16]
 # rows of a wider buffer: the kernels follow row strides (the residual stream's rows are dense,
@@ -95,7 +96,7 @@ def _rotary(gen: torch.Generator, device: str) -> None:
                     torch.randint(0, 512, (rows,), generator=gen),
                 )
                 # x * cos + roll(x, half) * sin in fp32, rounded once (the C++ kernel's rounding)
-                heads_of = qkv.float().view(rows, -1, head_dim)
+                heads_of = qkv.float().view(rows, heads + 2 * kv_heads, head_dim)
                 expected = heads_of.clone()
                 rotated = heads_of[:, : heads + kv_heads]
                 cos, sin = rope.cos[positions][:, None], rope.sin[positions][:, None]

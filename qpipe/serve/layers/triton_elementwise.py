@@ -2,11 +2,11 @@
 residual add), rotary embedding, SiLU * up, and the KV cache write, one kernel each.
 
 Why: a decode step of a small model on a GPU is bound by how many kernels it launches, not by the
-bytes they move. Eager torch ops spend about 25 launches per layer on these steps (an RMSNorm is
-eight: cast, square, mean, add, rsqrt, multiply, cast, weight; rotary four; the cache write's
-index arithmetic and two scatters five), against five here; a SmolLM2 step on the H200 took
-2.7 ms at one sequence for ~1,000 launches inside its CUDA graph. vLLM has CUDA kernels for the
-same five steps for the same reason.
+bytes they move. Eager torch ops spend 28 launches per layer on these steps (an RMSNorm is eight:
+cast, square, mean, add, rsqrt, multiply, cast, weight; each residual add one; rotary four; the
+cache write's index arithmetic and two scatters four; SiLU * up two), against five here; a SmolLM2
+step on the H200 took 2.7 ms at one sequence for ~1,000 launches inside its CUDA graph. vLLM has
+CUDA kernels for the same five steps for the same reason.
 
 Each function has the signature and the rounding of its C++ twin in `qpipe/serve/csrc/`
 (`torch.ops.qpipe_cpu`), so a layer calls whichever set serves its tensor (`fused_ops`): compute
@@ -149,16 +149,20 @@ if triton is not None:
         tl.store(v_cache_ptr + slot * ROW + i, v, mask=inside)
 
 
-def _rows(x: torch.Tensor) -> None:
-    assert x.dim() == 2 and x.stride(1) == 1, "rows must be contiguous"
+def _rows(*tensors: torch.Tensor) -> int:
+    """The row count of [rows, columns] tensors whose rows are contiguous. A step may have none
+    (a final norm when no sequence samples), and Triton launches no empty grid."""
+    for x in tensors:
+        assert x.dim() == 2 and x.stride(1) == 1, "rows must be contiguous"
+    return tensors[0].shape[0]
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """out = RMSNorm(x) * weight, rows [T, n]."""
-    _rows(x)
-    _rows(out)
-    n = x.shape[1]
-    _rms_norm_kernel[(x.shape[0],)](
+    rows, n = _rows(x, out), x.shape[1]
+    if rows == 0:
+        return
+    _rms_norm_kernel[(rows,)](
         out, x, x, weight, n, eps, out.stride(0), x.stride(0), 0,
         ADD_RESIDUAL=False, BLOCK=triton.next_power_of_2(n),
     )  # fmt: skip
@@ -168,10 +172,10 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> None:
     """residual += x, then x = RMSNorm(residual) * weight, both in place."""
-    _rows(x)
-    _rows(residual)
-    n = x.shape[1]
-    _rms_norm_kernel[(x.shape[0],)](
+    rows, n = _rows(x, residual), x.shape[1]
+    if rows == 0:
+        return
+    _rms_norm_kernel[(rows,)](
         x, x, residual, weight, n, eps, x.stride(0), x.stride(0), residual.stride(0),
         ADD_RESIDUAL=True, BLOCK=triton.next_power_of_2(n),
     )  # fmt: skip
@@ -187,11 +191,11 @@ def rotary(
 ) -> None:
     """Rotates the first `heads` heads of each row of qkv [T, ...] in place by the fp32 tables
     [max_positions, head_dim] at `positions` (int64), `sin` carrying rotate_half's sign."""
-    _rows(qkv)
     assert cos.dtype == sin.dtype == torch.float32 and positions.dtype == torch.int64
-    if qkv.shape[0] == 0:
+    tokens = _rows(qkv)
+    if tokens == 0:
         return
-    _rotary_kernel[(qkv.shape[0],)](
+    _rotary_kernel[(tokens,)](
         qkv, positions, cos, sin, qkv.stride(0), heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(heads), HALF_PAD=triton.next_power_of_2(head_dim // 2),
     )  # fmt: skip
@@ -199,10 +203,10 @@ def rotary(
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     """out [T, n] = silu(gate) * up for x = [gate | up] [T, 2n]."""
-    _rows(x)
-    _rows(out)
-    rows, n = out.shape
+    rows, n = _rows(out, x), out.shape[1]
     assert x.shape[1] == 2 * n, "x must be [rows, 2 * out columns]"
+    if rows == 0:
+        return
     block = min(COLUMNS, triton.next_power_of_2(n))
     _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
         out, x, n, out.stride(0), x.stride(0), BLOCK=block
