@@ -1,9 +1,13 @@
-"""The GPU decode-attention kernel (Triton) against gather + SDPA, run on CPU by Triton's
-interpreter. The interpreter is chosen when a kernel is defined, so the comparison runs in a
-child process with TRITON_INTERPRET=1 (this file is also that child's script)."""
+"""The GPU attention kernels (Triton: decodes, and prefill chunks after cached context) against
+gather + SDPA, run on CPU by Triton's interpreter. The interpreter is chosen when a kernel is
+defined, so each comparison runs in a child process with TRITON_INTERPRET=1 (this file is also
+that child's script)."""
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -61,11 +65,77 @@ def _compare_in_interpreter() -> None:
             )
 
 
+# (tokens already in the cache, new queries) per chunk: a block's worth, mid-block, several query
+# blocks of the kernel (16 tokens each), a single query
+CHUNKS = [(16, 5), (15, 17), (3, 40), (50, 1)]
+LEADING_ROWS = 3  # rows of the step before the chunks (decodes, fresh prompts): left alone
+
+
+def _compare_chunks(device: str) -> None:
+    from qpipe.serve.layers import triton_attention
+    from qpipe.serve.layers.attention import _gather, cache_views
+
+    gen = torch.Generator().manual_seed(1)
+    lengths = [context + n for context, n in CHUNKS]
+    counts = [n for _, n in CHUNKS]
+    starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    for heads, kv_heads, head_dim, block_size in CASES:
+        for dtype, cache_dtype in DTYPES:
+            blocks = 64
+            cache = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=gen)
+            k_cache, v_cache = cache_views(cache.to(cache_dtype))
+            width = -(-max(lengths) // block_size)
+            tables = torch.randperm(blocks, generator=gen)[: len(CHUNKS) * width]
+            tables = tables.view(len(CHUNKS), width).to(torch.int32)
+            q = torch.randn(LEADING_ROWS + sum(counts), heads, head_dim, generator=gen).to(dtype)
+            out = torch.full_like(q, float("nan"), device=device)
+            scale = head_dim**-0.5
+            on = [t.to(device) for t in (q, k_cache, v_cache, tables, starts)]
+            lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+            triton_attention.context_attention(
+                out[LEADING_ROWS:], on[0][LEADING_ROWS:], on[1], on[2], on[3], lens, on[4],
+                max(counts), scale,
+            )  # fmt: skip
+            out = out.cpu()
+            assert out[:LEADING_ROWS].isnan().all()
+            ks, vs = _gather(k_cache, v_cache, tables, torch.float32)  # [chunks, kv, len, D]
+            group = heads // kv_heads
+            tolerance = 1e-5 if dtype is torch.float32 else 1.6e-2
+            for i, (context, n) in enumerate(CHUNKS):
+                rows = slice(LEADING_ROWS + int(starts[i]), LEADING_ROWS + int(starts[i + 1]))
+                total = context + n
+                seen = torch.arange(total)[None, :] <= torch.arange(context, total)[:, None]
+                ref = F.scaled_dot_product_attention(
+                    q[rows].float().transpose(0, 1),  # [heads, n, D]
+                    ks[i, :, :total].repeat_interleave(group, 0),
+                    vs[i, :, :total].repeat_interleave(group, 0),
+                    attn_mask=seen,
+                    scale=scale,
+                ).transpose(0, 1)
+                torch.testing.assert_close(out[rows].float(), ref, atol=tolerance, rtol=tolerance)
+            print(f"ok chunks {heads}/{kv_heads} heads of {head_dim}, {dtype}, {cache_dtype}")
+
+
 def test_triton_decode_attention_equals_sdpa_in_the_interpreter() -> None:
     from tests.triton_interpreter import run_interpreted  # not in the child, which runs this file
 
     stdout = run_interpreted(__file__)
     assert stdout.count("ok ") == len(DTYPES) * len(CASES), stdout
+
+
+def test_triton_context_attention_equals_sdpa_in_the_interpreter() -> None:
+    from tests.triton_interpreter import run_interpreted
+
+    stdout = run_interpreted(__file__, "chunks")
+    assert stdout.count("ok chunks ") == len(DTYPES) * len(CASES), stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_triton_context_attention_equals_sdpa_on_the_gpu(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _compare_chunks("cuda")
+    assert capsys.readouterr().out.count("ok chunks ") == len(DTYPES) * len(CASES)
 
 
 def test_kernel_sizes_it_takes() -> None:
@@ -77,4 +147,7 @@ def test_kernel_sizes_it_takes() -> None:
 
 
 if __name__ == "__main__":
-    _compare_in_interpreter()
+    if sys.argv[1:] == ["chunks"]:
+        _compare_chunks("cpu")
+    else:
+        _compare_in_interpreter()

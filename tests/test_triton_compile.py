@@ -65,15 +65,28 @@ def _write_kv(dtype: str, cache: str) -> tuple[object, dict[str, str], dict[str,
     return triton_elementwise._write_kv_kernel, types, constants
 
 
-def _attention(dtype: str, cache: str) -> tuple[object, dict[str, str], dict[str, object]]:
+def _paged(dtype: str, cache: str, chunks: bool) -> dict[str, str]:
+    """The arguments both attention kernels take; `chunks`: the context kernel's query starts."""
     types = {"out_ptr": f"*{dtype}", "q_ptr": f"*{dtype}"}
     types |= {"k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "tables_ptr": "*i32", "lens_ptr": "*i32"}
+    if chunks:
+        types["starts_ptr"] = "*i32"
     types["scale"] = "fp32"
     for name in ("qt", "qh", "ot", "oh", "kb", "kh", "kd", "vb", "vt", "vh", "tb"):
         types[f"stride_{name}"] = I32
-    precision = "ieee" if dtype == "fp32" else "tf32"
+    return types
+
+
+def _attention(dtype: str, cache: str) -> tuple[object, dict[str, str], dict[str, object]]:
     constants = {"GROUP": 3, "GROUP_PAD": 16, "HEAD_DIM": 64, "BLOCK_SIZE": 16}
-    return triton_attention._decode_kernel, types, constants | {"PRECISION": precision}
+    constants["PRECISION"] = "ieee" if dtype == "fp32" else "tf32"
+    return triton_attention._decode_kernel, _paged(dtype, cache, chunks=False), constants
+
+
+def _context(dtype: str, cache: str) -> tuple[object, dict[str, str], dict[str, object]]:
+    constants = {"GROUP": 3, "GROUP_PAD": 4, "BLOCK_M": 16, "HEAD_DIM": 64, "BLOCK_SIZE": 16}
+    constants["PRECISION"] = "ieee" if dtype == "fp32" else "tf32"
+    return triton_attention._context_kernel, _paged(dtype, cache, chunks=True), constants
 
 
 def _weight_only(dtype: str) -> tuple[object, dict[str, str], dict[str, object]]:
@@ -99,6 +112,9 @@ KERNELS = {
     "decode_attention bf16": _attention("bf16", "bf16"),
     "decode_attention fp32": _attention("fp32", "fp32"),
     "decode_attention bf16 over fp8": _attention("bf16", "fp8e4nv"),
+    "context_attention bf16": _context("bf16", "bf16"),
+    "context_attention fp32": _context("fp32", "fp32"),
+    "context_attention bf16 over fp8": _context("bf16", "fp8e4nv"),
     "weight_only bf16": _weight_only("bf16"),
     "weight_only fp32": _weight_only("fp32"),
 }

@@ -1,14 +1,10 @@
 """The GPU elementwise kernels (Triton: RMSNorm with and without the residual add, rotary, SiLU *
-up, the KV cache write) against the eager torch ops they replace, and in the engine on SmolLM2
-against transformers, run on CPU by Triton's interpreter. The interpreter is chosen when a kernel
-is defined, so each check runs in a child process with TRITON_INTERPRET=1 (this file is also that
-child's script)."""
+up, the KV cache write) against the eager torch ops they replace, run on CPU by Triton's
+interpreter and on a GPU where there is one. The interpreter is chosen when a kernel is defined,
+so the CPU comparison runs in a child process with TRITON_INTERPRET=1 (this file is also that
+child's script). tests/test_gpu_path_interpreted.py runs them in the engine."""
 
 from __future__ import annotations
-
-import sys
-from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -159,55 +155,6 @@ EXPECTED = {
 }
 
 
-def _engine_in_interpreter(checkpoint: str) -> None:
-    """Greedy tokens of the engine whose layers run the Triton kernels, as they do on a GPU,
-    against transformers' on SmolLM2 (fp32): the parent takes the C++ kernels away
-    (QPIPE_CPU_KERNELS=0) and `usable` here lets the Triton ones take CPU tensors. Attention
-    itself runs through SDPA: the Triton decode kernel has its own test."""
-    from transformers import AutoModelForCausalLM
-
-    from qpipe.serve.config import EngineConfig
-    from qpipe.serve.engine import LLMEngine
-    from qpipe.serve.layers import triton_elementwise
-    from qpipe.serve.sampling_params import SamplingParams
-
-    calls: Counter[str] = Counter()
-
-    def counted(name: str):  # noqa: ANN202 - wraps one of the module's kernels
-        kernel = getattr(triton_elementwise, name)
-
-        def call(*args: object) -> None:
-            calls[name] += 1
-            kernel(*args)
-
-        return call
-
-    for name in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "write_kv"):
-        setattr(triton_elementwise, name, counted(name))
-    triton_elementwise.usable = lambda x: x.dtype in triton_elementwise.DTYPES
-    engine = LLMEngine(
-        # a fixed block count skips the profiling pass: the interpreter would take minutes on it
-        EngineConfig(model=checkpoint, device="cpu", num_kv_blocks=16, max_num_seqs=4)
-    )
-    prompts = [engine.tokenizer(text).input_ids for text in ENGINE_PROMPTS]
-    got = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    layers = engine.model_runner.num_layers
-    for prompt, tokens in zip(prompts, got, strict=True):
-        with torch.inference_mode():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
-        assert tokens == out[0, len(prompt) :].tolist(), (prompt, tokens)
-    steps = 6  # one prefill step of all prompts, then five decode steps
-    assert calls["rms_norm"] == steps, calls  # the first layer's input norm
-    assert calls["fused_add_rms_norm"] == steps * (2 * layers - 1 + 1), calls  # and the final
-    for name in ("rotary", "silu_and_mul", "write_kv"):
-        assert calls[name] == steps * layers, calls
-    print("ok engine")
-
-
-ENGINE_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time"]
-
-
 def test_triton_elementwise_kernels_equal_the_eager_ops_in_the_interpreter() -> None:
     from tests.triton_interpreter import run_interpreted  # not in the child, which runs this file
 
@@ -226,20 +173,5 @@ def test_triton_elementwise_kernels_equal_the_eager_ops_on_the_gpu(
         assert stdout.count(f"ok {name} ") == count, stdout
 
 
-@pytest.mark.slow
-def test_the_gpu_paths_elementwise_kernels_give_transformers_greedy_tokens(
-    smollm2_checkpoint: Path,
-) -> None:
-    from tests.triton_interpreter import run_interpreted
-
-    stdout = run_interpreted(
-        __file__, "engine", str(smollm2_checkpoint), env={"QPIPE_CPU_KERNELS": "0"}
-    )
-    assert "ok engine" in stdout, stdout
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["engine"]:
-        _engine_in_interpreter(sys.argv[2])
-    else:
-        _compare("cpu")
+    _compare("cpu")

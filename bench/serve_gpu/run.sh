@@ -40,6 +40,7 @@ for step in $steps; do
       tests/test_decode_graphs.py tests/test_fp8_linear.py tests/test_triton_weight_only.py \
       tests/test_serve_engine.py::test_the_whole_model_lands_on_the_serving_device \
       tests/test_triton_elementwise.py::test_triton_elementwise_kernels_equal_the_eager_ops_on_the_gpu \
+      tests/test_triton_attention.py::test_triton_context_attention_equals_sdpa_on_the_gpu \
       2>&1 | tee "$out/tests.txt" ;;
   graphs)  # issue 6's load (128 in, 64 out, greedy), bf16, CUDA graphs on
     time_left graphs && bench $bf16 --concurrency 1 8 32 64 128 256 --json "$out/results.jsonl" ;;

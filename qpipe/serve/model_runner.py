@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -16,7 +17,12 @@ from qpipe.serve.config import EngineConfig
 from qpipe.serve.decode_graphs import DecodeGraphs
 from qpipe.serve.host_memory import keep_freed_memory
 from qpipe.serve.layers import cpu_kernels, triton_attention
-from qpipe.serve.layers.attention import AttentionMetadata, PrefillSpan, layer_caches
+from qpipe.serve.layers.attention import (
+    AttentionMetadata,
+    ContextChunks,
+    PrefillSpan,
+    layer_caches,
+)
 from qpipe.serve.layers.linear import FP8_CAPABILITY
 from qpipe.serve.layers.sampler import sample, token_logprobs
 from qpipe.serve.loader import load_model, read_config_json, resolve_dtype
@@ -87,8 +93,12 @@ class ModelRunner:
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = hf.num_key_value_heads
         self.head_dim = head_dim_of(hf)
-        # a paged attention kernel: Triton's runs the decodes on GPU, the C++ one every query on CPU
-        if self.device.type == "cuda":
+        # a paged attention kernel: Triton's run the decodes and the chunks after cached context
+        # on GPU, the C++ one every query on CPU
+        self.kernel_family: Literal["triton", "cpu"] = (
+            "triton" if self.device.type == "cuda" else "cpu"
+        )
+        if self.kernel_family == "triton":
             self.attention_kernel = triton_attention.available() and triton_attention.fits(
                 self.head_dim, self.block_size
             )
@@ -293,14 +303,18 @@ class ModelRunner:
     def _prepare(
         self, rows: DecodeRows, prefills: list[ScheduledSeq]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat inputs of a mixed step: the decode rows first, then each prefill chunk. The CPU
-        kernel reads every chunk through its block table too; for SDPA, runs of fresh prompts of
-        one length become one span."""
+        """Flat inputs of a mixed step: the decode rows first, then each prefill chunk (`run`
+        puts the fresh prompts before the chunks after cached context). The CPU kernel reads
+        every chunk through its block table too; on GPU the chunks after cached context go to
+        the Triton kernel in one call; for SDPA, runs of fresh prompts of one length become one
+        span."""
         bs = self.block_size
         ids, pos, slots = list(rows.ids), list(rows.positions), list(rows.slots)
-        in_kernel = self.attention_kernel and self.device.type == "cpu"
+        in_kernel = self.attention_kernel and self.kernel_family == "cpu"
+        chunk_kernel = self.attention_kernel and self.kernel_family == "triton"
         tables, seq_lens = list(rows.tables), list(rows.context_lens)
         spans: list[PrefillSpan] = []
+        chunks = _Chunks()
         for item in prefills:
             seq, start, n = item.seq, item.start, item.num_new_tokens
             covering = seq.block_table[: -(-(start + n) // bs)]
@@ -312,6 +326,8 @@ class ModelRunner:
                 spans[-1] = replace(last, num_seqs=last.num_seqs + 1)
             elif start == 0:
                 spans.append(PrefillSpan(len(ids), n, 0, None))
+            elif chunk_kernel:
+                chunks.add(len(ids), covering, start + n, n)
             else:
                 table = torch.tensor(covering, device=self.device)
                 spans.append(PrefillSpan(len(ids), n, start, table))
@@ -340,8 +356,42 @@ class ModelRunner:
             query_starts=query_starts,
             decode_mask=mask,
             prefills=tuple(spans),
+            chunks=chunks.metadata(self.device),
         )
         return torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta
+
+
+@dataclass
+class _Chunks:
+    """The chunks after cached context of a GPU step, as host lists until `metadata`."""
+
+    row_start: int | None = None
+    tables: list[list[int]] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+    def add(self, row: int, table: list[int], seq_len: int, count: int) -> None:
+        assert self.row_start is None or row == self.row_start + sum(self.counts), (
+            "the chunks after cached context must be the step's last rows"
+        )
+        if self.row_start is None:
+            self.row_start = row
+        self.tables.append(table)
+        self.seq_lens.append(seq_len)
+        self.counts.append(count)
+
+    def metadata(self, device: torch.device) -> ContextChunks | None:
+        if self.row_start is None:
+            return None
+        return ContextChunks(
+            row_start=self.row_start,
+            block_tables=torch.tensor(padded_tables(self.tables), dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
+            query_starts=torch.tensor(
+                list(accumulate(self.counts, initial=0)), dtype=torch.int32, device=device
+            ),
+            max_queries=max(self.counts),
+        )
 
 
 @dataclass

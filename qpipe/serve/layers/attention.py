@@ -8,14 +8,15 @@ into their slots first; then
 - on CPU, the C++ kernel runs every query of the step in one call, decodes and prefill chunks
   alike, reading K/V where they lie through the block tables: a chunk after cached context needs
   no gathered copy of it and no mask, and its threads are dealt equal shares of the work;
-- on GPU, the Triton kernel runs the single-token queries (decodes) as one batch, and multi-token
-  chunks (prefills) run through SDPA: fresh prompts attend to their own K/V with a causal mask,
-  those of one length batched into one call; chunks after cached context run one by one and
-  gather that context from the cache first;
+- on GPU, one Triton kernel runs the single-token queries (decodes) as one batch, another every
+  chunk that continues a cached context (a prefix-cache hit, a long prompt's later chunks) in one
+  call, reading that context through the block tables; fresh prompts attend to their own K/V
+  through SDPA with a causal mask, those of one length batched into one call;
 - without a kernel (no compiler, no Triton, a head size it cannot take), decodes run as one SDPA
   call over a padded `[batch, kv_heads, context, head_dim]` gather with a length mask, where the
-  query heads of a KV group ride as the query-length axis, so GQA needs no repeated K/V, and
-  prefills as on GPU.
+  query heads of a KV group ride as the query-length axis, so GQA needs no repeated K/V; fresh
+  prompts as on GPU, and chunks after cached context one by one, with that context gathered from
+  the cache first.
 The cache may hold a narrower dtype than the model computes in (`kv_cache_dtype`): new K/V are
 rounded to it before they are written, and fresh prompts attend to the rounded values too, so a
 prefix-cache hit or a later chunk reads what the first pass used. An fp8 cache holds K / k_scale
@@ -65,6 +66,18 @@ class PrefillSpan:
 
 
 @dataclass(frozen=True)
+class ContextChunks:
+    """The prefill chunks after cached context that the GPU's Triton kernel runs in one call: the
+    last rows of the step, from `row_start` on (the runner orders them there)."""
+
+    row_start: int
+    block_tables: torch.Tensor  # [chunks, max_blocks] int32
+    seq_lens: torch.Tensor  # [chunks] int32: cached context + the chunk
+    query_starts: torch.Tensor  # [chunks + 1] int32, counted from row_start
+    max_queries: int  # the longest chunk
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """What the paged kernel reads (`block_tables`, `seq_lens`, `query_starts`) covers the
     sequences it runs: every one of the step on CPU, the decodes on GPU and without a kernel."""
@@ -77,7 +90,8 @@ class AttentionMetadata:
     query_starts: torch.Tensor | None
     # [decodes, 1, 1, max_blocks * block_size], 0 or -inf; only for the SDPA path
     decode_mask: torch.Tensor | None
-    prefills: tuple[PrefillSpan, ...]  # chunks that the kernel does not run
+    prefills: tuple[PrefillSpan, ...]  # chunks that SDPA runs
+    chunks: ContextChunks | None = None  # chunks after cached context, on GPU
 
 
 def paged_attention(
@@ -110,7 +124,7 @@ def paged_attention(
 
     decodes = meta.num_decode_tokens
     if meta.seq_lens is not None and meta.decode_mask is None:
-        if q.is_cuda:
+        if triton_attention.usable(q):
             triton_attention.decode_attention(
                 out[:decodes], q[:decodes], k_cache, v_cache, meta.block_tables, meta.seq_lens,
                 scale,
@@ -128,6 +142,12 @@ def paged_attention(
         )
         out[:decodes] = o.reshape(decodes, num_heads, head_dim)
 
+    if meta.chunks is not None:
+        c = meta.chunks
+        triton_attention.context_attention(
+            out[c.row_start :], q[c.row_start :], k_cache, v_cache, c.block_tables, c.seq_lens,
+            c.query_starts, c.max_queries, scale,
+        )  # fmt: skip
     for span in meta.prefills:
         n, seqs = span.num_tokens, span.num_seqs
         rows = slice(span.token_start, span.token_start + seqs * n)

@@ -1,5 +1,8 @@
-"""Paged decode attention for GPUs, in Triton: each program reads one sequence's K/V blocks where
-they lie, through its block table, for one KV head and all the query heads of its GQA group.
+"""Paged attention for GPUs, in Triton: each program reads one sequence's K/V blocks where they
+lie, through its block table, for one KV head and all the query heads of its GQA group. One
+kernel runs a step's decodes (one query each; the one CUDA graphs capture), another the prefill
+chunks that continue a cached context (many queries each, causal); fresh prompts, which attend
+only to themselves, stay with SDPA's flash kernels.
 
 Why: the SDPA fallback first gathers every sequence's context into a padded copy, which on a GPU
 costs as much memory traffic as the attention itself; decode attention is bandwidth-bound, so
@@ -7,7 +10,8 @@ reading each block once is the whole game (vLLM's paged attention does the same)
 layout qpipe stores, `[kv_heads, head_dim, block_size]`, is already the right operand of `q @ K`.
 
 Triton is on qpipe's GPU image, not a CPU dependency: `available()` is False without it. Its
-interpreter (`TRITON_INTERPRET=1`) runs the same kernel on CPU tensors, which is how CI checks it.
+interpreter (`TRITON_INTERPRET=1`) runs the same kernels on CPU tensors, which is how CI checks
+them.
 """
 
 from __future__ import annotations
@@ -23,8 +27,16 @@ except ImportError:  # CPU-only installs
     triton = None
 
 
+CONTEXT_BLOCK_M = 16  # query tokens per `context_attention` program, times the GQA group
+
+
 def available() -> bool:
     return triton is not None
+
+
+def usable(q: torch.Tensor) -> bool:
+    """True where these kernels run on `q`'s device: a GPU, with Triton installed."""
+    return q.is_cuda and triton is not None
 
 
 if triton is not None:
@@ -89,6 +101,78 @@ if triton is not None:
             mask=in_group[:, None],
         )
 
+    @triton.jit
+    def _context_kernel(
+        out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, starts_ptr, scale,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vh,
+        stride_tb,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0)
+        query_block = tl.program_id(1)
+        kv_head = tl.program_id(2)
+        first = tl.load(starts_ptr + seq)
+        num_queries = tl.load(starts_ptr + seq + 1) - first
+        if query_block * BLOCK_M < num_queries:
+            length = tl.load(lens_ptr + seq)
+            context = length - num_queries
+            # rows: BLOCK_M tokens x the GROUP query heads of this KV head, token-major
+            r = tl.arange(0, BLOCK_M * GROUP_PAD)
+            token = query_block * BLOCK_M + r // GROUP_PAD
+            g = r % GROUP_PAD
+            valid = (token < num_queries) & (g < GROUP)
+            heads = kv_head * GROUP + g
+            rows = (first + token).to(tl.int64)
+            d = tl.arange(0, HEAD_DIM)
+            t = tl.arange(0, BLOCK_SIZE)
+            q = tl.load(
+                q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=valid[:, None],
+                other=0.0,
+            ).to(tl.float32)
+            position = context + token  # each row's own position: it sees keys up to it
+            m = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+            total = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+            acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
+            end = tl.minimum(context + (query_block + 1) * BLOCK_M, length)
+            for start in range(0, end, BLOCK_SIZE):
+                block = tl.load(tables_ptr + seq * stride_tb + start // BLOCK_SIZE).to(tl.int64)
+                key = start + t
+                k = tl.load(
+                    k_ptr
+                    + block * stride_kb
+                    + kv_head * stride_kh
+                    + d[:, None] * stride_kd
+                    + t[None, :]
+                ).to(tl.float32)
+                s = tl.dot(q, k, input_precision=PRECISION)
+                seen = (key[None, :] <= position[:, None]) & (key[None, :] < length)
+                s = tl.where(seen, s * scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))  # finite from the first block: key 0
+                p = tl.exp(s - m_new[:, None])
+                alpha = tl.exp(m - m_new)
+                total = total * alpha + tl.sum(p, 1)
+                v = tl.load(
+                    v_ptr
+                    + block * stride_vb
+                    + t[:, None] * stride_vt
+                    + kv_head * stride_vh
+                    + d[None, :],
+                    mask=(key < length)[:, None],
+                    other=0.0,
+                ).to(tl.float32)
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+                m = m_new
+            out = acc / total[:, None]
+            tl.store(
+                out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=valid[:, None],
+            )
+
 
 def fits(head_dim: int, block_size: int) -> bool:
     """tl.arange and tl.dot want power-of-two sizes of at least 16."""
@@ -127,5 +211,42 @@ def decode_attention(
         # K/V are widened to fp32 on load (bandwidth, not FLOPs, bounds decode attention): TF32
         # tensor cores hold bf16/fp16 values exactly, fp32 caches keep full fp32 products (the
         # tests compare fp32 serving with HF token for token)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+
+
+def context_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_starts: torch.Tensor,
+    max_queries: int,
+    scale: float,
+) -> None:
+    """Prefill chunks that continue a sequence already in the cache (a prefix-cache hit, the
+    second chunk of a long prompt), all in one call: chunk i's queries are rows
+    query_starts[i]..query_starts[i + 1] of q and out ([rows, heads, head_dim]), its K/V
+    (this step's included, written first) are seq_lens[i] tokens read through block_tables[i],
+    and each query sees the keys up to its own position. `max_queries`: the longest chunk.
+
+    Why: SDPA needs each such chunk's context gathered into a contiguous copy, a causal mask
+    materialized, and one call per chunk (vLLM's Triton backend reads the paged cache the same
+    way)."""
+    _, heads, head_dim = q.shape
+    _, kv_heads, _, block_size = k_cache.shape
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and q.stride(2) == 1
+    group = heads // kv_heads
+    chunks = seq_lens.shape[0]
+    _context_kernel[(chunks, triton.cdiv(max_queries, CONTEXT_BLOCK_M), kv_heads)](
+        out, q, k_cache, v_cache, block_tables, seq_lens, query_starts, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_M=CONTEXT_BLOCK_M,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip

@@ -1,0 +1,105 @@
+"""The engine on SmolLM2 (fp32) through the GPU path's kernels, in Triton's interpreter on CPU,
+against transformers' greedy tokens: the elementwise kernels in every layer, the decode attention
+kernel, and the kernel for prefill chunks after cached context, fed by the metadata the model
+runner builds for a GPU, under prefix-cache hits and chunked prefill. What it leaves to a GPU:
+CUDA graphs (tests/test_decode_graphs.py) and the GPU's own arithmetic.
+
+The child takes the C++ kernels away (QPIPE_CPU_KERNELS=0) and lets the Triton ones take CPU
+tensors; the interpreter is chosen when a kernel is defined, so it runs as a child process with
+TRITON_INTERPRET=1 (this file is also that child's script)."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = (
+    "You are a helpful assistant. Answer briefly and precisely, and never make up facts. "
+    "The user asks: "
+)
+PROMPTS = [SHARED + "What is the capital of France?", SHARED + "Who wrote Hamlet?", "Once upon"]
+NEW_TOKENS = 6
+
+
+def _counting(module: object, names: tuple[str, ...], calls: Counter[str]) -> None:
+    """Replaces each named function of `module` with one that counts its calls."""
+    for name in names:
+        kernel: Callable[..., None] = getattr(module, name)
+
+        def call(*args: object, kernel: Callable[..., None] = kernel, name: str = name) -> None:
+            calls[name] += 1
+            kernel(*args)
+
+        setattr(module, name, call)
+
+
+def _engine_in_interpreter(checkpoint: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from qpipe.serve.config import EngineConfig
+    from qpipe.serve.engine import LLMEngine
+    from qpipe.serve.layers import triton_attention, triton_elementwise
+    from qpipe.serve.sampling_params import SamplingParams
+
+    calls: Counter[str] = Counter()
+    elementwise = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "write_kv")
+    _counting(triton_elementwise, elementwise, calls)
+    _counting(triton_attention, ("decode_attention", "context_attention"), calls)
+    triton_elementwise.usable = lambda x: x.dtype in triton_elementwise.DTYPES
+    triton_attention.usable = lambda q: True
+    engine = LLMEngine(
+        # a fixed block count skips the profiling pass (minutes in the interpreter); a 32-token
+        # budget splits prompts across steps, so later chunks continue a cached context, as the
+        # second prompt's first chunk does after its prefix-cache hit
+        EngineConfig(
+            model=checkpoint,
+            device="cpu",
+            num_kv_blocks=32,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+        )
+    )
+    runner = engine.model_runner
+    runner.attention_kernel, runner.kernel_family = True, "triton"  # the metadata a GPU gets
+    forwards = Counter()
+    model_forward = runner.model.final_hidden
+
+    def counted_forward(*args: object) -> torch.Tensor:
+        forwards["steps"] += 1
+        return model_forward(*args)
+
+    runner.model.final_hidden = counted_forward
+    prompts = [engine.tokenizer(text).input_ids for text in PROMPTS]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    got = engine.generate(prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    for prompt, tokens in zip(prompts, got, strict=True):
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert tokens == out[0, len(prompt) :].tolist(), (prompt, tokens)
+    stats = engine.stats()
+    assert stats.prefix_cache_hits >= 16, stats  # the second prompt reused the first's block
+    steps, layers = forwards["steps"], runner.num_layers
+    assert calls["rms_norm"] == steps, calls  # the first layer's input norm
+    assert calls["fused_add_rms_norm"] == steps * 2 * layers, calls  # the rest, and the final
+    for name in ("rotary", "silu_and_mul", "write_kv"):
+        assert calls[name] == steps * layers, calls
+    assert calls["decode_attention"] > 0 and calls["context_attention"] > 0, calls
+    print("ok engine", dict(calls), steps, "steps")
+
+
+@pytest.mark.slow
+def test_the_gpu_paths_kernels_give_transformers_greedy_tokens(smollm2_checkpoint: Path) -> None:
+    from tests.triton_interpreter import run_interpreted  # not in the child, which runs this file
+
+    stdout = run_interpreted(__file__, str(smollm2_checkpoint), env={"QPIPE_CPU_KERNELS": "0"})
+    assert "ok engine" in stdout, stdout
+
+
+if __name__ == "__main__":
+    _engine_in_interpreter(sys.argv[1])
