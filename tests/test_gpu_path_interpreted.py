@@ -1,8 +1,9 @@
 """The engine on SmolLM2 (fp32) through the GPU path's kernels, in Triton's interpreter on CPU,
 against transformers' greedy tokens: the elementwise kernels in every layer, the decode attention
 kernel, and the kernel for prefill chunks after cached context, fed by the metadata the model
-runner builds for a GPU, under prefix-cache hits and chunked prefill. What it leaves to a GPU:
-CUDA graphs (tests/test_decode_graphs.py) and the GPU's own arithmetic.
+runner builds for a GPU, under prefix-cache hits and chunked prefill, with decode-only steps
+through the static, padded buffers that CUDA graphs record. What it leaves to a GPU: capturing
+and replaying the graphs (tests/test_decode_graphs.py) and the GPU's own arithmetic.
 
 The child takes the C++ kernels away (QPIPE_CPU_KERNELS=0) and lets the Triton ones take CPU
 tensors; the interpreter is chosen when a kernel is defined, so it runs as a child process with
@@ -26,16 +27,17 @@ PROMPTS = [SHARED + "What is the capital of France?", SHARED + "Who wrote Hamlet
 NEW_TOKENS = 6
 
 
-def _counting(module: object, names: tuple[str, ...], calls: Counter[str]) -> None:
-    """Replaces each named function of `module` with one that counts its calls."""
+def _counting(owner: object, names: tuple[str, ...], calls: Counter[str]) -> None:
+    """Replaces each named function of `owner` (a module or an object) with one that counts its
+    calls."""
     for name in names:
-        kernel: Callable[..., None] = getattr(module, name)
+        inner: Callable[..., object] = getattr(owner, name)
 
-        def call(*args: object, kernel: Callable[..., None] = kernel, name: str = name) -> None:
+        def call(*args: object, inner: Callable[..., object] = inner, name: str = name) -> object:
             calls[name] += 1
-            kernel(*args)
+            return inner(*args)
 
-        setattr(module, name, call)
+        setattr(owner, name, call)
 
 
 def _engine_in_interpreter(checkpoint: str) -> None:
@@ -66,14 +68,12 @@ def _engine_in_interpreter(checkpoint: str) -> None:
     )
     runner = engine.model_runner
     runner.attention_kernel, runner.kernel_family = True, "triton"  # the metadata a GPU gets
-    forwards = Counter()
-    model_forward = runner.model.final_hidden
-
-    def counted_forward(*args: object) -> torch.Tensor:
-        forwards["steps"] += 1
-        return model_forward(*args)
-
-    runner.model.final_hidden = counted_forward
+    # decode-only steps through the static, padded buffers that a GPU's CUDA graphs record (run
+    # here without a graph): 3 sequences in the bucket of 4, one padding row in the scratch block
+    runner.decode_graphs = runner.static_decode(4)
+    forwards: Counter[str] = Counter()
+    _counting(runner.model, ("final_hidden",), forwards)
+    _counting(runner.decode_graphs, ("forward",), forwards)
     prompts = [engine.tokenizer(text).input_ids for text in PROMPTS]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     got = engine.generate(prompts, params)
@@ -84,7 +84,8 @@ def _engine_in_interpreter(checkpoint: str) -> None:
         assert tokens == out[0, len(prompt) :].tolist(), (prompt, tokens)
     stats = engine.stats()
     assert stats.prefix_cache_hits >= 16, stats  # the second prompt reused the first's block
-    steps, layers = forwards["steps"], runner.num_layers
+    assert forwards["forward"] > 0, forwards  # decode-only steps, through the static buffers
+    steps, layers = forwards["final_hidden"], runner.num_layers  # the static forward's too
     assert calls["rms_norm"] == steps, calls  # the first layer's input norm
     assert calls["fused_add_rms_norm"] == steps * 2 * layers, calls  # the rest, and the final
     for name in ("rotary", "silu_and_mul", "write_kv"):
