@@ -42,6 +42,32 @@ def usable(q: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _attend_block(
+        q, acc, m, total, seen, scale, k_block, v_block, start, length, stride_kd, stride_vt,
+        HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """One K/V block of the online softmax for the query rows `q` [rows, HEAD_DIM] (fp32):
+        their scores against the block's keys where `seen` [rows, BLOCK_SIZE], the running max
+        `m` and sum `total` rescaled, the block's values added into `acc`. `k_block` and
+        `v_block` point at this KV head in the block; its tokens are start.. of `length`."""
+        d = tl.arange(0, HEAD_DIM)
+        t = tl.arange(0, BLOCK_SIZE)
+        k = tl.load(k_block + d[:, None] * stride_kd + t[None, :]).to(tl.float32)
+        s = tl.dot(q, k, input_precision=PRECISION)
+        s = tl.where(seen, s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))  # finite from the first block on: key 0 is seen
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_block + t[:, None] * stride_vt + d[None, :],
+            mask=(start + t < length)[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        return acc, m_new, total
+
+    @triton.jit
     def _decode_kernel(
         out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
@@ -69,31 +95,12 @@ if triton is not None:
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         for start in range(0, length, BLOCK_SIZE):
             block = tl.load(tables_ptr + seq * stride_tb + start // BLOCK_SIZE).to(tl.int64)
-            valid = start + t < length
-            k = tl.load(
-                k_ptr
-                + block * stride_kb
-                + kv_head * stride_kh
-                + d[:, None] * stride_kd
-                + t[None, :]
-            ).to(tl.float32)
-            s = tl.dot(q, k, input_precision=PRECISION)
-            s = tl.where(valid[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            total = total * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_ptr
-                + block * stride_vb
-                + t[:, None] * stride_vt
-                + kv_head * stride_vh
-                + d[None, :],
-                mask=valid[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-            m = m_new
+            seen = tl.broadcast_to((start + t < length)[None, :], (GROUP_PAD, BLOCK_SIZE))
+            acc, m, total = _attend_block(
+                q, acc, m, total, seen, scale, k_ptr + block * stride_kb + kv_head * stride_kh,
+                v_ptr + block * stride_vb + kv_head * stride_vh, start, length,
+                stride_kd, stride_vt, HEAD_DIM, BLOCK_SIZE, PRECISION,
+            )  # fmt: skip
         out = acc / total[:, None]
         tl.store(
             out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -141,31 +148,12 @@ if triton is not None:
             for start in range(0, end, BLOCK_SIZE):
                 block = tl.load(tables_ptr + seq * stride_tb + start // BLOCK_SIZE).to(tl.int64)
                 key = start + t
-                k = tl.load(
-                    k_ptr
-                    + block * stride_kb
-                    + kv_head * stride_kh
-                    + d[:, None] * stride_kd
-                    + t[None, :]
-                ).to(tl.float32)
-                s = tl.dot(q, k, input_precision=PRECISION)
                 seen = (key[None, :] <= position[:, None]) & (key[None, :] < length)
-                s = tl.where(seen, s * scale, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))  # finite from the first block: key 0
-                p = tl.exp(s - m_new[:, None])
-                alpha = tl.exp(m - m_new)
-                total = total * alpha + tl.sum(p, 1)
-                v = tl.load(
-                    v_ptr
-                    + block * stride_vb
-                    + t[:, None] * stride_vt
-                    + kv_head * stride_vh
-                    + d[None, :],
-                    mask=(key < length)[:, None],
-                    other=0.0,
-                ).to(tl.float32)
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-                m = m_new
+                acc, m, total = _attend_block(
+                    q, acc, m, total, seen, scale, k_ptr + block * stride_kb + kv_head * stride_kh,
+                    v_ptr + block * stride_vb + kv_head * stride_vh, start, length,
+                    stride_kd, stride_vt, HEAD_DIM, BLOCK_SIZE, PRECISION,
+                )  # fmt: skip
             out = acc / total[:, None]
             tl.store(
                 out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
