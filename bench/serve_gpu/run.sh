@@ -33,10 +33,13 @@ $py bench/serve_gpu/random_weights.py .device_model $bf16 --dtype bfloat16 || ex
 
 for step in $steps; do
   case $step in
-  tests)  # on the GPU: CUDA-graph replay vs eager, fp8 tensor cores, the Triton kernels
+  tests)  # on the GPU: CUDA-graph replay vs eager, fp8 tensor cores, the Triton kernels; not
+    # the interpreter tests (CI's job: the image's Triton 3.6 interpreter fails on a loop bound
+    # loaded from a tensor, and they would spend device time on CPU work)
     mkdir -p /tmp/qcache
     $py bench/serve_gpu/random_weights.py .device_model /tmp/qcache/smollm2-135m-fp32 --dtype float32 || exit 1
-    time_left tests && QPIPE_TEST_CACHE=/tmp/qcache timeout 150 $py -m pytest -q -p no:cacheprovider \
+    time_left tests && QPIPE_TEST_CACHE=/tmp/qcache timeout 180 $py -m pytest -q -p no:cacheprovider \
+      -k "not interpreter" \
       tests/test_decode_graphs.py tests/test_fp8_linear.py tests/test_triton_weight_only.py \
       tests/test_serve_engine.py::test_the_whole_model_lands_on_the_serving_device \
       tests/test_triton_elementwise.py::test_triton_elementwise_kernels_equal_the_eager_ops_on_the_gpu \
