@@ -211,7 +211,7 @@ def test_rotary_equals_the_eager_rotation(dtype: torch.dtype, head_dim: int) -> 
         cos_cache[positions].unsqueeze(1).to(dtype), sin_cache[positions].unsqueeze(1).to(dtype),
     )  # fmt: skip
     expected = eager.apply(qkv, heads, kv_heads, head_dim)
-    kernel = RotaryTables(positions, cos_cache, sin_cache, None, None)
+    kernel = RotaryTables(positions, cos_cache, sin_cache, None, None, cpu_kernels.ops)
     actual = kernel.apply(qkv.clone(), heads, kv_heads, head_dim)
     for a, e in zip(actual, expected, strict=True):
         close(a, e, dtype)

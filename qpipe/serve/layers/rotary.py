@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from qpipe.serve.layers.elementwise_ops import fused_ops
+from qpipe.serve.layers.elementwise_ops import ElementwiseOps, fused_ops
 
 
 def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -47,11 +47,11 @@ class RotaryEmbedding(nn.Module):
         """Built once per forward: every layer rotates at the same positions. A fused kernel
         for `hidden`'s device and dtype reads the fp32 tables by position itself; the eager path
         gets them looked up in `hidden`'s dtype."""
-        dtype = hidden.dtype
-        if fused_ops(hidden) is not None:
-            return RotaryTables(positions, self.cos, self.sin, None, None)
-        cos = self.cos[positions].unsqueeze(1).to(dtype)
-        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        ops = fused_ops(hidden)
+        if ops is not None:
+            return RotaryTables(positions, self.cos, self.sin, None, None, ops)
+        cos = self.cos[positions].unsqueeze(1).to(hidden.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(hidden.dtype)
         return RotaryTables(positions, self.cos, self.sin, cos, sin)
 
 
@@ -61,6 +61,7 @@ class RotaryTables(NamedTuple):
     sin_cache: torch.Tensor  # [max_positions, head_dim] fp32, first half negated
     cos: torch.Tensor | None  # [T, 1, head_dim] in the model dtype, eager path only
     sin: torch.Tensor | None
+    ops: ElementwiseOps | None = None  # the fused kernels that rotate in place, if any
 
     def apply(
         self, qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int
@@ -68,14 +69,13 @@ class RotaryTables(NamedTuple):
         """Split the fused projection [T, (heads + 2 kv_heads) * head_dim] into q, k, v heads
         with q and k rotated (in place on the kernel path)."""
         t = qkv.shape[0]
-        if self.cos is None:
-            ops = fused_ops(qkv)
-            assert ops is not None, "tables without lookups are built only where a kernel runs"
-            ops.rotary(
+        if self.ops is not None:
+            self.ops.rotary(
                 qkv, self.positions, self.cos_cache, self.sin_cache, heads + kv_heads, head_dim
             )
             qkv3 = qkv.view(t, heads + 2 * kv_heads, head_dim)
             return qkv3.split([heads, kv_heads, kv_heads], 1)
+        assert self.cos is not None and self.sin is not None
         qk, v = qkv.split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
         qk = qk.view(t, heads + kv_heads, head_dim)
         rotated = qk * self.cos + qk.roll(head_dim // 2, dims=-1) * self.sin

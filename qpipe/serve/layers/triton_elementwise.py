@@ -12,7 +12,7 @@ Each function has the signature and the rounding of its C++ twin in `qpipe/serve
 (`torch.ops.qpipe_cpu`), so a layer calls whichever set serves its tensor (`fused_ops`): compute
 in fp32, round to the model dtype where the eager path rounds.
 
-Triton is on qpipe's GPU image, not a CPU dependency: `available()` is False without it. Its
+Triton is on qpipe's GPU image, not a CPU dependency: `usable()` is False without it. Its
 interpreter (`TRITON_INTERPRET=1`) runs the same kernels on CPU tensors, which is how CI checks
 them.
 """
@@ -31,10 +31,6 @@ except ImportError:  # CPU-only installs
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COLUMNS = 1024  # SiLU * up: output columns per program
-
-
-def available() -> bool:
-    return triton is not None
 
 
 def usable(x: torch.Tensor) -> bool:
