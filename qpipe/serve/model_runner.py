@@ -314,7 +314,6 @@ class ModelRunner:
         chunk_kernel = self.attention_kernel and self.kernel_family == "triton"
         tables, seq_lens = list(rows.tables), list(rows.context_lens)
         spans: list[PrefillSpan] = []
-        chunks = _Chunks()
         for item in prefills:
             seq, start, n = item.seq, item.start, item.num_new_tokens
             covering = seq.block_table[: -(-(start + n) // bs)]
@@ -326,9 +325,7 @@ class ModelRunner:
                 spans[-1] = replace(last, num_seqs=last.num_seqs + 1)
             elif start == 0:
                 spans.append(PrefillSpan(len(ids), n, 0, None))
-            elif chunk_kernel:
-                chunks.add(len(ids), covering, start + n, n)
-            else:
+            elif not chunk_kernel:  # on GPU the Triton kernel takes it: `_context_chunks`
                 table = torch.tensor(covering, device=self.device)
                 spans.append(PrefillSpan(len(ids), n, start, table))
             ids.extend(seq.token_ids[start : start + n])
@@ -356,41 +353,28 @@ class ModelRunner:
             query_starts=query_starts,
             decode_mask=mask,
             prefills=tuple(spans),
-            chunks=chunks.metadata(self.device),
+            chunks=self._context_chunks(prefills, len(ids)) if chunk_kernel else None,
         )
         return torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta
 
-
-@dataclass
-class _Chunks:
-    """The chunks after cached context of a GPU step, as host lists until `metadata`."""
-
-    row_start: int | None = None
-    tables: list[list[int]] = field(default_factory=list)
-    seq_lens: list[int] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-
-    def add(self, row: int, table: list[int], seq_len: int, count: int) -> None:
-        assert self.row_start is None or row == self.row_start + sum(self.counts), (
-            "the chunks after cached context must be the step's last rows"
-        )
-        if self.row_start is None:
-            self.row_start = row
-        self.tables.append(table)
-        self.seq_lens.append(seq_len)
-        self.counts.append(count)
-
-    def metadata(self, device: torch.device) -> ContextChunks | None:
-        if self.row_start is None:
+    def _context_chunks(self, prefills: list[ScheduledSeq], num_rows: int) -> ContextChunks | None:
+        """The chunks after cached context, for the Triton kernel: the last rows of the step's
+        `num_rows`, as `run` orders them."""
+        chunks = [item for item in prefills if item.start > 0]
+        if not chunks:
             return None
+        counts = [item.num_new_tokens for item in chunks]
+        ends = [item.start + item.num_new_tokens for item in chunks]
+        blocks = [-(-end // self.block_size) for end in ends]
+        tables = [item.seq.block_table[:n] for item, n in zip(chunks, blocks, strict=True)]
         return ContextChunks(
-            row_start=self.row_start,
-            block_tables=torch.tensor(padded_tables(self.tables), dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
+            row_start=num_rows - sum(counts),
+            block_tables=torch.tensor(padded_tables(tables), dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(ends, dtype=torch.int32, device=self.device),
             query_starts=torch.tensor(
-                list(accumulate(self.counts, initial=0)), dtype=torch.int32, device=device
+                list(accumulate(counts, initial=0)), dtype=torch.int32, device=self.device
             ),
-            max_queries=max(self.counts),
+            max_queries=max(counts),
         )
 
 
