@@ -12,6 +12,7 @@ each level's figures as one JSON line (bench/serve_gpu/ collects its table that 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -101,6 +102,7 @@ def run_level(
     if profiler:
         profiler.start()
     decode_steps: list[float] = []  # steps with nothing admitted: decodes only at this load
+    prompt_steps: list[float] = []  # the others: each runs prompt tokens (and any decodes)
     while len(done) < total:
         admitted = False
         while next_prompt < total and len(added) - len(done) < concurrency:
@@ -110,12 +112,15 @@ def run_level(
             next_prompt += 1
             admitted = True
         decode_only = not admitted and engine.stats().num_waiting == 0
+        # the profile's tables then say what each kind of step spent, on the host and the GPU
+        label = "step: decodes only" if decode_only else "step: with prompts"
+        labelled = torch.profiler.record_function(label) if profiler else contextlib.nullcontext()
         step_start = time.perf_counter()
-        outputs = engine.step()
+        with labelled:
+            outputs = engine.step()
         steps += 1
         now = time.perf_counter()
-        if decode_only:
-            decode_steps.append(now - step_start)
+        (decode_steps if decode_only else prompt_steps).append(now - step_start)
         for out in outputs:
             first.setdefault(out.request_id, now)
             if out.finished:
@@ -128,6 +133,12 @@ def run_level(
         print(averages.table(sort_by="self_cpu_time_total", row_limit=25))
         if args.device == "cuda":  # what the GPU ran, against the host time above
             print(averages.table(sort_by="self_device_time_total", row_limit=15))
+        for event in averages:
+            if event.key.startswith("step: "):
+                print(
+                    f"{event.key}: {event.count} steps, host {event.cpu_time_total / 1e3:.1f} ms, "
+                    f"device {event.device_time_total / 1e3:.1f} ms"
+                )
     # the same definitions as `qpipe bench` and `vllm bench serve`
     ttft = Distribution.of([first[r] - added[r] for r in added])
     tpot = Distribution.of([(done[r] - first[r]) / (args.output_len - 1) for r in added])
@@ -149,6 +160,10 @@ def run_level(
         "tpot_p99_ms": tpot.percentiles[99],
         "steps": steps,
         "decode_step_p50_ms": statistics.median(decode_steps) * 1e3 if decode_steps else None,
+        # steps with prompts are eager on a GPU (no CUDA graph) and set TTFT
+        "prompt_steps": len(prompt_steps),
+        "prompt_step_p50_ms": statistics.median(prompt_steps) * 1e3 if prompt_steps else None,
+        "prompt_step_max_ms": max(prompt_steps) * 1e3 if prompt_steps else None,
         "wall_s": elapsed,
         "machine_speed": speed.to_json() if speed else None,
     }
@@ -159,6 +174,12 @@ def run_level(
         f"TPOT p50 {figures['tpot_p50_ms']:.0f}ms, {figures['preemptions']} preemptions, "
         f"{elapsed:.1f}s wall, {cpu:.1f}s CPU"
     )
+    for kind, times in (("decodes only", decode_steps), ("with prompts", prompt_steps)):
+        if times:
+            print(
+                f"  {len(times)} steps {kind}: p50 {statistics.median(times) * 1e3:.2f} ms, "
+                f"max {max(times) * 1e3:.2f} ms"
+            )
     if speed:
         print(f"machine before the run: {speed.describe()}")
     return figures

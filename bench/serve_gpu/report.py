@@ -53,9 +53,10 @@ def main() -> None:
     )
     print(
         "| engine | concurrency | CUDA graphs | output tok/s | TTFT p50 / p99 (ms) "
-        "| TPOT p50 / p99 (ms) | decode step p50 (ms) | floor (ms) | step / floor |"
+        "| TPOT p50 / p99 (ms) | decode step p50 (ms) | floor (ms) | step / floor "
+        "| steps with prompts: p50 / max (ms) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(
         rows, key=lambda r: (r.get("engine", "qpipe"), not r["cuda_graphs"], r["concurrency"])
     ):
@@ -67,12 +68,15 @@ def main() -> None:
         step_cells = "- | - | -"
         if step:
             step_cells = f"{step:.3f} | {floor * 1e3:.3f} | {step / (floor * 1e3):.1f}x"
+        prompt_cell = "-"  # lines from before throughput.py timed them
+        if r.get("prompt_step_p50_ms"):
+            prompt_cell = f"{r['prompt_step_p50_ms']:.1f} / {r['prompt_step_max_ms']:.1f}"
         print(
             f"| {r.get('engine', 'qpipe')} | {r['concurrency']} "
             f"| {'yes' if r['cuda_graphs'] else 'no'} "
             f"| {r['output_tok_s']:.0f} "
             f"| {r['ttft_p50_s'] * 1e3:.1f} / {r['ttft_p99_s'] * 1e3:.1f} "
-            f"| {r['tpot_p50_ms']:.2f} / {r['tpot_p99_ms']:.2f} | {step_cells} |"
+            f"| {r['tpot_p50_ms']:.2f} / {r['tpot_p99_ms']:.2f} | {step_cells} | {prompt_cell} |"
         )
 
 
