@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,19 +26,6 @@ PROMPTS = [SHARED + "What is the capital of France?", SHARED + "Who wrote Hamlet
 NEW_TOKENS = 6
 
 
-def _counting(owner: object, names: tuple[str, ...], calls: Counter[str]) -> None:
-    """Replaces each named function of `owner` (a module or an object) with one that counts its
-    calls."""
-    for name in names:
-        inner: Callable[..., object] = getattr(owner, name)
-
-        def call(*args: object, inner: Callable[..., object] = inner, name: str = name) -> object:
-            calls[name] += 1
-            return inner(*args)
-
-        setattr(owner, name, call)
-
-
 def _engine_in_interpreter(checkpoint: str) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -47,11 +33,12 @@ def _engine_in_interpreter(checkpoint: str) -> None:
     from qpipe.serve.engine import LLMEngine
     from qpipe.serve.layers import triton_attention, triton_elementwise
     from qpipe.serve.sampling_params import SamplingParams
+    from tests.triton_interpreter import count_calls
 
     calls: Counter[str] = Counter()
     elementwise = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "write_kv")
-    _counting(triton_elementwise, elementwise, calls)
-    _counting(triton_attention, ("decode_attention", "context_attention"), calls)
+    count_calls(triton_elementwise, elementwise, calls)
+    count_calls(triton_attention, ("decode_attention", "context_attention"), calls)
     triton_elementwise.usable = lambda x: x.dtype in triton_elementwise.DTYPES
     triton_attention.usable = lambda q: True
     engine = LLMEngine(
@@ -72,8 +59,8 @@ def _engine_in_interpreter(checkpoint: str) -> None:
     # here without a graph): 3 sequences in the bucket of 4, one padding row in the scratch block
     runner.decode_graphs = runner.static_decode(4)
     forwards: Counter[str] = Counter()
-    _counting(runner.model, ("final_hidden",), forwards)
-    _counting(runner.decode_graphs, ("forward",), forwards)
+    count_calls(runner.model, ("final_hidden",), forwards)
+    count_calls(runner.decode_graphs, ("forward",), forwards)
     prompts = [engine.tokenizer(text).input_ids for text in PROMPTS]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     got = engine.generate(prompts, params)

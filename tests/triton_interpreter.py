@@ -1,10 +1,15 @@
-"""Runs a test file's Triton kernels on CPU, in Triton's interpreter."""
+"""Runs a test file's Triton kernels on CPU, in Triton's interpreter, and counts what they call."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def run_interpreted(script: str, *args: str, env: dict[str, str] | None = None) -> str:
@@ -12,12 +17,26 @@ def run_interpreted(script: str, *args: str, env: dict[str, str] | None = None) 
     asserting it succeeded.
     A child, because Triton picks its interpreter when a kernel is defined: it cannot be switched
     on inside a process that has already imported the kernels."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     done = subprocess.run(
-        [sys.executable, script, *args],
-        env={**os.environ, "TRITON_INTERPRET": "1", **(env or {})},
+        [sys.executable, script, *args],  # the child imports `tests.` modules too
+        env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path, **(env or {})},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout
+
+
+def count_calls(owner: object, names: tuple[str, ...], calls: Counter[str]) -> None:
+    """Replaces each named function of `owner` (a module or an object) with one that counts its
+    calls in `calls`."""
+    for name in names:
+        inner: Callable[..., object] = getattr(owner, name)
+
+        def call(*args: object, inner: Callable[..., object] = inner, name: str = name) -> object:
+            calls[name] += 1
+            return inner(*args)
+
+        setattr(owner, name, call)

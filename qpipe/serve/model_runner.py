@@ -129,6 +129,8 @@ class ModelRunner:
             self.kv_cache.nbytes / GIB, self.max_model_len, capacity / self.max_model_len,
             config.token_budget,
         )  # fmt: skip
+        if self.kernel_family == "triton" and self.attention_kernel:
+            self.warm_up()
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and self.attention_kernel and not config.enforce_eager:
             self.decode_graphs = self.static_decode(min(config.max_num_seqs, 512))
@@ -215,6 +217,34 @@ class ModelRunner:
         with torch.inference_mode():
             last = torch.tensor([tokens - 1], device=self.device)
             return self.model(input_ids, positions, layer_caches(scratch), meta, last)
+
+    def warm_up(self) -> None:
+        """One mixed step at start, in the scratch block only: a decode, a fresh prompt and a chunk
+        after cached context. Triton compiles a kernel at its first call, and the profiling pass
+        (fresh prompts) and graph capture (decodes) never call the context-chunk kernel or run
+        a decode eagerly; without this the first prefix-cache hit or mixed step would compile
+        them mid-serving, stalling every running request (a compile: ~0.4-0.9 s on a 2-core
+        host)."""
+        # a context of one block, within the rotary table (positions < max_model_len); a model
+        # too short for a 2-token chunk after any context never runs one
+        context = min(self.block_size, self.max_model_len - 2)
+        if context < 1:
+            return
+        table = [self.scratch_block] * 2  # nothing else is written, and nothing reads it after
+
+        def scratch(name: str, length: int, start: int, count: int) -> ScheduledSeq:
+            seq = Sequence(f"warm-up-{name}", [p % self.vocab_size for p in range(length)], PROFILE)
+            seq.block_table = table
+            return ScheduledSeq(seq, start, count, samples=True)
+
+        decode = scratch("decode", context + 1, context, 1)
+        chunk = scratch("chunk", context + 2, context, 2)
+        prefills = [scratch("prompt", 2, 0, 2), chunk]  # fresh prompts first, as `run` orders them
+        input_ids, positions, meta = self._prepare(self._decode_rows([decode]), prefills)
+        assert meta.chunks is not None and meta.num_decode_tokens == 1
+        with torch.inference_mode():
+            last = torch.tensor([len(input_ids) - 1], device=self.device)
+            self.model(input_ids, positions, self.layer_caches, meta, last)
 
     def _profile_gpu_free_bytes(self, max_len: int) -> int:
         """Run the biggest batch the scheduler may form, then hand the KV cache what is left of

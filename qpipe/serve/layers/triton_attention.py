@@ -28,6 +28,11 @@ except ImportError:  # CPU-only installs
 
 
 CONTEXT_BLOCK_M = 16  # query tokens per `context_attention` program, times the GQA group
+# Triton compiles a kernel anew for an integer argument that is 1 or a multiple of 16. The block
+# tables' width changes from step to step (the longest context's blocks), so each of those would
+# compile mid-serving, stalling every running request (~0.4-0.9 s per compile on a 2-core host);
+# it only indexes the tables, where the hint gains nothing.
+STEP_VARYING = ["stride_tb"]
 
 
 def available() -> bool:
@@ -67,7 +72,7 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         return acc, m_new, total
 
-    @triton.jit
+    @triton.jit(do_not_specialize=STEP_VARYING)
     def _decode_kernel(
         out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
@@ -108,7 +113,7 @@ if triton is not None:
             mask=in_group[:, None],
         )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=STEP_VARYING)
     def _context_kernel(
         out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, starts_ptr, scale,
         stride_qt, stride_qh, stride_ot, stride_oh,

@@ -34,8 +34,8 @@ def available() -> bool:
 
 
 if triton is not None:
-
-    @triton.jit
+    # the row count changes with every step: see triton_attention.STEP_VARYING
+    @triton.jit(do_not_specialize=["M"])
     def _weight_only_kernel(
         out_ptr, x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr,
         M, N, K, GROUP,
