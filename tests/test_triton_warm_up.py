@@ -28,9 +28,9 @@ from tests.test_triton_compile import KERNELS  # noqa: E402
 
 
 def _specialization(name: str, **changed: int) -> list[object]:
-    """What Triton keys the compiled variant of kernel KERNELS[name] on, for arguments as the
-    engine passes them for SmolLM2 (CPU tensors stand in for the pointers) with `changed`
-    replaced: the kernel's own binder, for an H100's backend."""
+    """What Triton keys the compiled variant of kernel KERNELS[name] on (its own launcher's
+    binder, for sm_90) when every integer argument is 960 but those in `changed`; CPU tensors
+    stand in for the pointers, floats are 0.125."""
     kernel, types, constants = KERNELS[name]
     args: dict[str, object] = {}
     for arg, kind in types.items():
