@@ -87,16 +87,27 @@ void attend(const AttentionArgs<T, C>& a, int64_t s, int64_t kvh, int64_t first_
   }
   vfloat top[R];
   for (int r = 0; r < R; ++r) top[r] = minus_inf;
+  constexpr int64_t kLine = 64;
+  const int64_t k_lines = dim * bs * static_cast<int64_t>(sizeof(C)) / kLine;  // a block's K
+  const int64_t v_lines = (dim * static_cast<int64_t>(sizeof(C)) + kLine - 1) / kLine;  // a token's
   for (int64_t j = 0; j < blocks; ++j) {
     const C* kt = a.k + (table[j] * a.kv_heads + kvh) * dim * bs;
-    if (j + 1 < blocks) {  // blocks are scattered: fetch the next one's K and V while this one runs
-      prefetch_bytes(a.k + (table[j + 1] * a.kv_heads + kvh) * dim * bs, dim * bs * sizeof(C));
-      const C* vn = a.v + table[j + 1] * bs * v_row + kvh * dim;
-      for (int64_t t = 0; t < bs; ++t) prefetch_bytes(vn + t * v_row, dim * sizeof(C));
-    }
+    // blocks are scattered: while this block's scores run, fetch the next block's K and V, a
+    // cache line of each per step
+    const bool next = j + 1 < blocks;
+    const char* kn = reinterpret_cast<const char*>(
+        a.k + (table[next ? j + 1 : j] * a.kv_heads + kvh) * dim * bs);
+    const char* vn =
+        reinterpret_cast<const char*>(a.v + table[next ? j + 1 : j] * bs * v_row + kvh * dim);
     for (int64_t c = 0; c < bs; c += kVectorsPerPass * kLanes) {
       vfloat sc[kVectorsPerPass][R] = {};
       for (int64_t d = 0; d < dim; ++d) {
+        // line i of each: the block's steps (dim per pass over its keys) outnumber its lines
+        const int64_t i = c / (kVectorsPerPass * kLanes) * dim + d;
+        if (next && i < k_lines) __builtin_prefetch(kn + i * kLine);
+        if (next && i < bs * v_lines) {
+          __builtin_prefetch(vn + (i / v_lines) * v_row * sizeof(C) + (i % v_lines) * kLine);
+        }
         vfloat k[kVectorsPerPass];
         for (int u = 0; u < kVectorsPerPass; ++u) k[u] = loadv(kt + d * bs + c + u * kLanes);
         for (int r = 0; r < R; ++r) {
