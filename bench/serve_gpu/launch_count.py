@@ -1,13 +1,16 @@
 """Kernel launches of one decode step on the GPU path, counted on CPU: every torch op the static
 decode forward (what CUDA graphs record) dispatches, plus every Triton kernel it calls, with the
-layers' elementwise steps as eager torch ops and as qpipe's Triton kernels. Not a test.
+layers' elementwise steps as eager torch ops and as qpipe's Triton kernels; then those of one
+eager mixed step (the engine's warm-up: a decode, a fresh prompt and a chunk after cached
+context, its inputs built as any step's), which no graph records. Not a test.
 
     .venv/bin/python bench/serve_gpu/launch_count.py CHECKPOINT [--dtype bfloat16]
 
 Why: on the H200 a SmolLM2 decode step took 2.7 ms at one sequence, ~40x the time to read its
 weights: a small model's step is bound by how many kernels it launches. Triton runs here in its
 interpreter (set below, before Triton is imported), whose own bookkeeping ops (`set_`, `copy_`)
-are left out; views and allocations launch nothing and are left out too.
+are left out, and with them the mixed step's two copies per layer around SDPA (its output
+transposed into place); views and allocations launch nothing and are left out too.
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ def main() -> None:
     for name in names:
         counted(triton_elementwise, name, counts)
     counted(triton_attention, "decode_attention", counts)
-    triton_attention.usable = lambda q: True  # the decode kernel, as on a GPU
+    counted(triton_attention, "context_attention", counts)
+    triton_attention.usable = lambda q: True  # the attention kernels, as on a GPU
     config = EngineConfig(
         model=args.checkpoint, device="cpu", dtype=args.dtype, num_kv_blocks=16, max_num_seqs=1
     )
@@ -88,6 +92,12 @@ def main() -> None:
             f"elementwise steps as {label}: {total} launches per decode step, "
             f"{total / runner.num_layers:.1f} per layer ({top})"
         )
+    runner.attention_kernel, runner.kernel_family = True, "triton"  # the metadata a GPU gets
+    counts.clear()
+    with torch.inference_mode(), Launches(counts):
+        runner.warm_up()
+    top = ", ".join(f"{name} {n}" for name, n in counts.most_common(12))
+    print(f"one eager mixed step: {sum(counts.values())} launches ({top})")
 
 
 if __name__ == "__main__":
