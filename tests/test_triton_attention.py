@@ -1,7 +1,7 @@
-"""The GPU attention kernels (Triton: decodes, and prefill chunks after cached context) against
-gather + SDPA, run on CPU by Triton's interpreter. The interpreter is chosen when a kernel is
-defined, so each comparison runs in a child process with TRITON_INTERPRET=1 (this file is also
-that child's script)."""
+"""The GPU attention kernels (Triton: decodes, and prefill chunks with or without cached
+context) against gather + SDPA, run on CPU by Triton's interpreter. The interpreter is chosen
+when a kernel is defined, so each comparison runs in a child process with TRITON_INTERPRET=1
+(this file is also that child's script)."""
 
 from __future__ import annotations
 
@@ -66,8 +66,9 @@ def _compare_in_interpreter() -> None:
 
 
 # (tokens already in the cache, new queries) per chunk: a block's worth, mid-block, several query
-# blocks of the kernel (16 tokens each), a single query
-CHUNKS = [(16, 5), (15, 17), (3, 40), (50, 1)]
+# blocks of the kernel (16 tokens each), a single query, and fresh prompts (no context) of several
+# blocks and of two tokens
+CHUNKS = [(16, 5), (15, 17), (3, 40), (50, 1), (0, 37), (0, 2)]
 LEADING_ROWS = 3  # rows of the step before the chunks (decodes, fresh prompts): left alone
 
 

@@ -68,18 +68,12 @@ def test_arguments_that_change_every_step_share_one_compiled_kernel(
 
 
 def _warm_up_in_interpreter(checkpoint: str) -> None:
-    from qpipe.serve.config import EngineConfig
-    from qpipe.serve.engine import LLMEngine
-    from qpipe.serve.layers import triton_elementwise
-    from tests.triton_interpreter import count_calls
+    from tests.triton_interpreter import count_calls, gpu_kernel_engine
 
     calls: Counter[str] = Counter()
     count_calls(triton_attention, ("decode_attention", "context_attention"), calls)
-    triton_elementwise.usable = lambda x: x.dtype in triton_elementwise.DTYPES
-    triton_attention.usable = lambda q: True
-    engine = LLMEngine(EngineConfig(model=checkpoint, device="cpu", num_kv_blocks=8))
+    engine = gpu_kernel_engine(checkpoint, num_kv_blocks=8)
     runner = engine.model_runner
-    runner.attention_kernel, runner.kernel_family = True, "triton"  # the metadata a GPU gets
     before = runner.kv_cache.clone()
     runner.warm_up()
     layers = runner.num_layers

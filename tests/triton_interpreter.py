@@ -8,6 +8,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,8 +36,26 @@ def count_calls(owner: object, names: tuple[str, ...], calls: Counter[str]) -> N
     for name in names:
         inner: Callable[..., object] = getattr(owner, name)
 
-        def call(*args: object, inner: Callable[..., object] = inner, name: str = name) -> object:
+        def call(
+            *args: object, inner: Callable[..., object] = inner, name: str = name, **kw: object
+        ) -> object:
             calls[name] += 1
-            return inner(*args)
+            return inner(*args, **kw)
 
         setattr(owner, name, call)
+
+
+def gpu_kernel_engine(checkpoint: str, **config: Any) -> Any:  # noqa: ANN401 - an LLMEngine
+    """An fp32 LLMEngine on CPU whose steps take the GPU's paths: the Triton elementwise and
+    attention kernels (run by the interpreter) and the metadata a GPU gets. For a child run with
+    `run_interpreted(..., env={"QPIPE_CPU_KERNELS": "0"})`, so no C++ kernel takes a step."""
+    from qpipe.serve.config import EngineConfig
+    from qpipe.serve.engine import LLMEngine
+    from qpipe.serve.layers import triton_attention, triton_elementwise
+
+    triton_elementwise.usable = lambda x: x.dtype in triton_elementwise.DTYPES
+    triton_attention.usable = lambda q: True
+    engine = LLMEngine(EngineConfig(model=checkpoint, device="cpu", **config))
+    runner = engine.model_runner
+    runner.attention_kernel, runner.kernel_family = True, "triton"
+    return engine

@@ -19,7 +19,7 @@ from qpipe.serve.host_memory import keep_freed_memory
 from qpipe.serve.layers import cpu_kernels, triton_attention
 from qpipe.serve.layers.attention import (
     AttentionMetadata,
-    ContextChunks,
+    PrefillChunks,
     PrefillSpan,
     layer_caches,
 )
@@ -93,8 +93,8 @@ class ModelRunner:
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = hf.num_key_value_heads
         self.head_dim = head_dim_of(hf)
-        # a paged attention kernel: Triton's run the decodes and the chunks after cached context
-        # on GPU, the C++ one every query on CPU
+        # a paged attention kernel: Triton's run the decodes and every prefill chunk on GPU, the
+        # C++ one every query on CPU
         self.kernel_family: Literal["triton", "cpu"] = (
             "triton" if self.device.type == "cuda" else "cpu"
         )
@@ -220,11 +220,10 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """One mixed step at start, in the scratch block only: a decode, a fresh prompt and a chunk
-        after cached context. Triton compiles a kernel at its first call, and the profiling pass
-        (fresh prompts) and graph capture (decodes) never call the context-chunk kernel or run
-        a decode eagerly; without this the first prefix-cache hit or mixed step would compile
-        them mid-serving, stalling every running request (a compile: ~0.4-0.9 s on a 2-core
-        host)."""
+        after cached context. Triton compiles a kernel at its first call; the profiling pass runs
+        fresh prompts alone, and graph capture (none with `enforce_eager`) decodes alone and not
+        eagerly. Without this step the first mixed step could compile a kernel mid-serving,
+        stalling every running request (a compile: ~0.4-0.9 s on a 2-core host)."""
         # a context of one block, within the rotary table (positions < max_model_len); a model
         # too short for a 2-token chunk after any context never runs one
         context = min(self.block_size, self.max_model_len - 2)
@@ -335,8 +334,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat inputs of a mixed step: the decode rows first, then each prefill chunk (`run`
         puts the fresh prompts before the chunks after cached context). The CPU kernel reads
-        every chunk through its block table too; on GPU the chunks after cached context go to
-        the Triton kernel in one call; for SDPA, runs of fresh prompts of one length become one
+        every chunk through its block table too; on GPU every prefill chunk goes to the Triton
+        context kernel in one call; for SDPA, runs of fresh prompts of one length become one
         span."""
         bs = self.block_size
         ids, pos, slots = list(rows.ids), list(rows.positions), list(rows.slots)
@@ -346,18 +345,11 @@ class ModelRunner:
         spans: list[PrefillSpan] = []
         for item in prefills:
             seq, start, n = item.seq, item.start, item.num_new_tokens
-            covering = seq.block_table[: -(-(start + n) // bs)]
-            last = spans[-1] if spans else None
             if in_kernel:
-                tables.append(covering)
+                tables.append(seq.block_table[: -(-(start + n) // bs)])
                 seq_lens.append(start + n)
-            elif start == 0 and last and last.context_start == 0 and last.num_tokens == n:
-                spans[-1] = replace(last, num_seqs=last.num_seqs + 1)
-            elif start == 0:
-                spans.append(PrefillSpan(len(ids), n, 0, None))
-            elif not chunk_kernel:  # on GPU the Triton kernel takes it: `_context_chunks`
-                table = torch.tensor(covering, device=self.device)
-                spans.append(PrefillSpan(len(ids), n, start, table))
+            elif not chunk_kernel:
+                spans = self._with_span(spans, item, len(ids))
             ids.extend(seq.token_ids[start : start + n])
             pos.extend(range(start, start + n))
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -383,21 +375,36 @@ class ModelRunner:
             query_starts=query_starts,
             decode_mask=mask,
             prefills=tuple(spans),
-            chunks=self._context_chunks(prefills, len(ids)) if chunk_kernel else None,
+            chunks=self._prefill_chunks(prefills, len(ids)) if chunk_kernel else None,
         )
         return torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta
 
-    def _context_chunks(self, prefills: list[ScheduledSeq], num_rows: int) -> ContextChunks | None:
-        """The chunks after cached context, for the Triton kernel: the last rows of the step's
-        `num_rows`, as `run` orders them."""
-        chunks = [item for item in prefills if item.start > 0]
-        if not chunks:
+    def _with_span(
+        self, spans: list[PrefillSpan], item: ScheduledSeq, token_start: int
+    ) -> list[PrefillSpan]:
+        """`spans` with SDPA's share of one chunk added: a fresh prompt joins the span before it
+        when that holds fresh prompts of its length; a chunk after cached context reads that
+        context through its block table."""
+        start, n = item.start, item.num_new_tokens
+        last = spans[-1] if spans else None
+        if start == 0 and last and last.context_start == 0 and last.num_tokens == n:
+            return [*spans[:-1], replace(last, num_seqs=last.num_seqs + 1)]
+        table = None
+        if start > 0:
+            covering = item.seq.block_table[: -(-(start + n) // self.block_size)]
+            table = torch.tensor(covering, device=self.device)
+        return [*spans, PrefillSpan(token_start, n, start, table)]
+
+    def _prefill_chunks(self, prefills: list[ScheduledSeq], num_rows: int) -> PrefillChunks | None:
+        """Every prefill chunk of the step, fresh prompts and chunks after cached context alike,
+        for the Triton kernel: the last rows of the step's `num_rows`, after the decodes."""
+        if not prefills:
             return None
-        counts = [item.num_new_tokens for item in chunks]
-        ends = [item.start + item.num_new_tokens for item in chunks]
+        counts = [item.num_new_tokens for item in prefills]
+        ends = [item.start + item.num_new_tokens for item in prefills]
         blocks = [-(-end // self.block_size) for end in ends]
-        tables = [item.seq.block_table[:n] for item, n in zip(chunks, blocks, strict=True)]
-        return ContextChunks(
+        tables = [item.seq.block_table[:n] for item, n in zip(prefills, blocks, strict=True)]
+        return PrefillChunks(
             row_start=num_rows - sum(counts),
             block_tables=torch.tensor(padded_tables(tables), dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor(ends, dtype=torch.int32, device=self.device),
