@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # On the lent GPU machine, from the repo root, with .device_model and .whl carried (README.md):
 #   bash bench/serve_gpu/run.sh "$OUT" [SECONDS] [STEP ...]
-# Everything it measures lands in OUT. Steps (default: all, in this order) run in order of value;
-# once SECONDS (default 480) have passed, the steps not yet started are skipped (steps.txt says
-# which), so the call ends inside its limit.
+# Everything it measures lands in OUT/run.tar.gz, packed again after each step (the device tool
+# brings back at most 8 files: the twelve of a full run lost four), and its tables in
+# OUT/tables.md. Steps (default: all, in this order) run in order of value; once SECONDS (default
+# 480) have passed, the steps not yet started are skipped (steps.txt says which), so the call
+# ends inside its limit.
 set -uo pipefail
-out=${1:?usage: run.sh OUT_DIR [SECONDS] [STEP ...]}
+dest=${1:?usage: run.sh OUT_DIR [SECONDS] [STEP ...]}
+out=$(mktemp -d)
+pack() { tar czf "$dest/run.tar.gz" -C "$out" .; }
 budget=${2:-480}
 shift $(( $# >= 2 ? 2 : 1 ))
 steps=${*:-tests graphs profile eager hf served fp8 kv-fp8}
@@ -79,10 +83,14 @@ for step in $steps; do
     time_left profile && bench $bf16 --concurrency 64 --profile > "$out/profile-c64.txt" 2>&1 ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
   esac
+  pack
 done
 for results in "$out"/results*.jsonl; do
   [ -f "$results" ] || continue
   model=$bf16; [[ $results == */results-fp8.jsonl ]] && model=$fp8
-  $py bench/serve_gpu/report.py "$results" $model | tee "${results%.jsonl}.md"
+  { echo "## $(basename "$results")"; $py bench/serve_gpu/report.py "$results" $model; echo; } \
+    | tee -a "$out/tables.md"
 done
+pack
+cp "$out/tables.md" "$dest/" 2> /dev/null
 echo "done at ${SECONDS}s"
