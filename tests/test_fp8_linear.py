@@ -14,6 +14,7 @@ from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
 
 from qpipe.serve.layers import cpu_kernels
+from qpipe.serve.layers.fp8 import quantize_fp8
 from qpipe.serve.layers.linear import (
     LINEAR_KINDS,
     Fp8Linear,
@@ -21,7 +22,6 @@ from qpipe.serve.layers.linear import (
     fake_quantize_fp8,
     fp8_linear,
     fp8_matmul_supported,
-    quantize_fp8,
 )
 
 CPU = torch.device("cpu")

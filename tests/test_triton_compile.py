@@ -65,6 +65,13 @@ def _write_kv(dtype: str, cache: str) -> tuple[object, dict[str, str], dict[str,
     return triton_elementwise._write_kv_kernel, types, constants
 
 
+def _quantize_fp8(dtype: str, static: bool) -> tuple[object, dict[str, str], dict[str, object]]:
+    types = {"q_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "x_ptr": f"*{dtype}"}
+    types |= {"static_ptr": "*fp32", "n": I32, "eps": "fp32", "fp8_max": "fp32"}
+    types |= {"stride_q": I32, "stride_x": I32}
+    return triton_elementwise._quantize_fp8_kernel, types, {"STATIC": static, "BLOCK": 2048}
+
+
 def _paged(dtype: str, cache: str, chunks: bool) -> dict[str, str]:
     """The arguments both attention kernels take; `chunks`: the context kernel's query starts."""
     types = {"out_ptr": f"*{dtype}", "q_ptr": f"*{dtype}"}
@@ -111,6 +118,9 @@ KERNELS = {
     "write_kv fp32 into bf16": _write_kv("fp32", "bf16"),
     "write_kv bf16 into fp8": _write_kv("bf16", "fp8e4nv"),
     "write_kv fp16 into fp8": _write_kv("fp16", "fp8e4nv"),
+    "quantize_fp8 bf16": _quantize_fp8("bf16", static=False),
+    "quantize_fp8 bf16, static scale": _quantize_fp8("bf16", static=True),
+    "quantize_fp8 fp16": _quantize_fp8("fp16", static=False),
     "decode_attention bf16": _attention("bf16", "bf16"),
     "decode_attention fp32": _attention("fp32", "fp32"),
     "decode_attention bf16 over fp8": _attention("bf16", "fp8e4nv"),

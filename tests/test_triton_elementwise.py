@@ -1,8 +1,9 @@
 """The GPU elementwise kernels (Triton: RMSNorm with and without the residual add, rotary, SiLU *
-up, the KV cache write) against the eager torch ops they replace, run on CPU by Triton's
-interpreter and on a GPU where there is one. The interpreter is chosen when a kernel is defined,
-so the CPU comparison runs in a child process with TRITON_INTERPRET=1 (this file is also that
-child's script). tests/test_gpu_path_interpreted.py runs them in the engine."""
+up, the KV cache write, an fp8 layer's rounding of its input) against the eager torch ops they
+replace, run on CPU by Triton's interpreter and on a GPU where there is one. The interpreter is
+chosen when a kernel is defined, so the CPU comparison runs in a child process with
+TRITON_INTERPRET=1 (this file is also that child's script). tests/test_gpu_path_interpreted.py
+runs them in the engine."""
 
 from __future__ import annotations
 
@@ -146,9 +147,33 @@ def _write_kv(gen: torch.Generator, device: str) -> None:
                 print(f"ok write_kv {kv_heads} x {head_dim}, {rows} rows {dtype} -> {cache_dtype}")
 
 
+def _quantize_fp8(gen: torch.Generator, device: str) -> None:
+    from qpipe.serve.layers import fp8, triton_elementwise
+
+    for rows in ROWS:
+        for width in (1536, 64):  # SmolLM2's down projection input, a small one
+            for dtype in DTYPES:
+                # magnitudes from 1e-6 (fp8's subnormals after scaling) to 1e3 (past 448 with
+                # the static scale), and a row of zeros (the dynamic scale's zero guard)
+                x = torch.randn(rows, width + PADDING, generator=gen)
+                x *= 10 ** (torch.rand(x.shape, generator=gen) * 9 - 6)
+                x[rows // 2 :][:1] = 0
+                (x,) = _on(device, x.to(dtype)[:, :width])
+                for static in (None, torch.tensor([0.75])):
+                    want_q, want_scale = fp8.quantize_fp8(x, static)
+                    q, scales = triton_elementwise.quantize_fp8(
+                        x, None if static is None else static.to(device)
+                    )
+                    want_scales = want_scale.float().reshape(-1, 1).expand(rows, 1)
+                    assert q.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+                    assert torch.equal(q.float(), want_q.float()), (rows, width, dtype, static)
+                    assert torch.equal(scales, want_scales), (rows, width, dtype, static)
+                print(f"ok quantize_fp8 {rows} x {width} {dtype}")
+
+
 def _compare(device: str) -> None:
     gen = torch.Generator().manual_seed(0)
-    for check in (_norms, _silu, _rotary, _write_kv):
+    for check in (_norms, _silu, _rotary, _write_kv, _quantize_fp8):
         check(gen, device)
 
 
@@ -157,6 +182,7 @@ EXPECTED = {
     "silu": len(ROWS) * 2 * len(DTYPES),
     "rotary": 3 * len(ROWS) * len(DTYPES),
     "write_kv": 2 * len(ROWS) * len(KV_PAIRS),
+    "quantize_fp8": len(ROWS) * 2 * len(DTYPES),
 }
 
 

@@ -23,7 +23,7 @@ from qpipe.serve.layers.attention import (
     PrefillSpan,
     layer_caches,
 )
-from qpipe.serve.layers.linear import FP8_CAPABILITY
+from qpipe.serve.layers.fp8 import FP8_CAPABILITY
 from qpipe.serve.layers.sampler import sample, token_logprobs
 from qpipe.serve.loader import load_model, read_config_json, resolve_dtype
 from qpipe.serve.models.llama import head_dim_of

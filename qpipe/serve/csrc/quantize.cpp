@@ -30,7 +30,7 @@ void quantize_per_token_int8(at::Tensor& q, at::Tensor& scales, const at::Tensor
 }
 
 // x rounded through fp8 e4m3 and back per row, in one pass instead of ~10 eager ops, with the
-// eager path's roundings (layers/linear.py `quantize_fp8`, compressed-tensors' rule): the scale
+// eager path's roundings (layers/fp8.py `quantize_fp8`, compressed-tensors' rule): the scale
 // is absmax / 448 per row in the model dtype (its epsilon for a row of zeros), or the given
 // static one; x / scale is rounded to the model dtype, clamped to +-448, rounded to e4m3, and
 // times the scale rounded to the model dtype again. The same bits as the eager ops.

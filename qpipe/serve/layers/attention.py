@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from qpipe.serve.layers import cpu_kernels, triton_attention
 from qpipe.serve.layers.elementwise_ops import fused_ops
-from qpipe.serve.layers.linear import FP8_MAX
+from qpipe.serve.layers.fp8 import FP8_MAX
 
 
 class LayerCache(NamedTuple):

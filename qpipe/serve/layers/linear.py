@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qpipe.serve.layers import cpu_kernels, triton_weight_only
+from qpipe.serve.layers import cpu_kernels, triton_elementwise, triton_weight_only
+from qpipe.serve.layers.fp8 import FP8_CAPABILITY, quantize_fp8
 
 log = logging.getLogger(__name__)
 
@@ -335,22 +336,6 @@ class Int8Linear(LinearBase):
         return torch._int_mm(q, weight.t())[:rows].float().mul_(self.weight_scale)
 
 
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
-FP8_CAPABILITY = (8, 9)  # GPUs that compute with fp8 and read it in Triton: Ada (sm89), Hopper on
-
-
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x in fp8 e4m3 and its scale, per token (dynamic, scale = absmax / 448, in x's dtype) or
-    one calibrated static scale: compressed-tensors' quantize step op for op, so results match
-    what llm-compressor calibrated against."""
-    if scale is None:
-        scale = x.abs().amax(dim=-1, keepdim=True) / FP8_MAX
-        scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
-    else:
-        scale = scale.to(x.dtype)
-    return torch.div(x, scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
 def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """x [tokens, features] rounded through fp8 e4m3 and back (`quantize_fp8`), in x's dtype.
     On CPU one kernel pass gives the eager ops' bits: measured on a Zen 3 with SmolLM2
@@ -382,14 +367,18 @@ def fp8_linear(
     input_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """x rounded through fp8 (`quantize_fp8`) times the fp8 weight [out, in] with its
+    """x rounded through fp8 (`quantize_fp8`; on a GPU its Triton twin, one launch instead of
+    ten) times the fp8 weight [out, in] with its
     per-channel scales [out, 1], plus bias, as one `torch._scaled_mm`: fp8 products summed in
     fp32, scaled per row and column, rounded once. Its operand contract (CUDA's): the input
     row-major, the weight column-major (a transposed view of the row-major weight), fp32 scales
     [rows, 1] and [1, out]; with per-row scales CUDA writes bf16 only. torch's CPU reference
     implementation takes the same operands, which is how CI checks them."""
-    q, scale = quantize_fp8(x, input_scale)
-    row_scales = scale.float().reshape(-1, 1).expand(q.shape[0], 1).contiguous()
+    if triton_elementwise.usable(x) and x.dim() == 2 and x.stride(-1) == 1:
+        q, row_scales = triton_elementwise.quantize_fp8(x, input_scale)
+    else:
+        q, scale = quantize_fp8(x, input_scale)
+        row_scales = scale.float().reshape(-1, 1).expand(q.shape[0], 1).contiguous()
     y = torch._scaled_mm(
         q,
         weight.t(),
