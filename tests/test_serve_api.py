@@ -25,7 +25,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 from qpipe.serve.api import ServerSettings, build_app
-from qpipe.serve.async_engine import AsyncLLMEngine, EngineUnavailableError, QueueFullError
+from qpipe.serve.async_engine import (
+    AsyncLLMEngine,
+    EngineUnavailableError,
+    GenerationChunk,
+    PendingChunks,
+    QueueFullError,
+)
 from qpipe.serve.config import EngineConfig
 from qpipe.serve.detokenizer import IncrementalDetokenizer
 from qpipe.serve.engine import LLMEngine
@@ -181,6 +187,36 @@ def test_detokenizer_ignores_stop_strings_within_min_tokens(tokenizer) -> None: 
             break
     assert detok.stopped
     assert text + detok.flush() == "one two one "
+
+
+def test_chunks_a_slow_consumer_has_not_taken_arrive_as_one() -> None:
+    """A stream whose reader lags gets every token since its last read in one chunk; a failure
+    replaces what is pending and is not overwritten."""
+
+    def chunk(text: str, token: int, **kw: object) -> GenerationChunk:
+        fields: dict = {"logprobs": [{token: -0.5}], "finished": False, "finish_reason": None}
+        fields |= {"num_prompt_tokens": 5, "num_cached_tokens": 0} | kw
+        return GenerationChunk(text, [token], **fields)
+
+    async def run() -> None:
+        pending = PendingChunks()
+        assert not pending.ready
+        pending.put(chunk("Gr", 1, prompt_logprobs=[None, {9: -1.0}]))
+        pending.put(chunk("ü", 2))
+        pending.put(chunk("ße", 3, finished=True, finish_reason="length", num_cached_tokens=16))
+        assert pending.ready
+        assert await pending.get() == GenerationChunk(
+            "Grüße", [1, 2, 3], [{1: -0.5}, {2: -0.5}, {3: -0.5}], True, "length", 5, 16,
+            prompt_logprobs=[None, {9: -1.0}],
+        )  # fmt: skip
+        assert not pending.ready
+        failure = EngineUnavailableError("the engine failed")
+        pending.put(chunk("a", 4))
+        pending.put(failure)
+        pending.put(chunk("b", 5))
+        assert await pending.get() is failure
+
+    asyncio.run(run())
 
 
 # ---- OpenAI API over HTTP ------------------------------------------------------------------------

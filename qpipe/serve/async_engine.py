@@ -2,7 +2,7 @@
 
 The engine is single-threaded by design, so only the engine thread touches it: HTTP handlers post
 "add" and "abort" commands to a deque and wake the thread; the thread applies them between steps,
-detokenizes each step's tokens and hands the chunks to each request's asyncio queue. Detokenizing on
+detokenizes each step's tokens and hands the chunks to each request's stream. Detokenizing on
 the engine thread lets a stop string abort its request before the next step, so its blocks are freed
 at once and no token is computed past it.
 """
@@ -50,11 +50,59 @@ class GenerationChunk:
     num_cached_tokens: int
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first chunk
 
+    def then(self, later: GenerationChunk) -> GenerationChunk:
+        """This chunk and the one after it, as one."""
+        return GenerationChunk(
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            logprobs=None if self.logprobs is None else self.logprobs + (later.logprobs or []),
+            finished=later.finished,
+            finish_reason=later.finish_reason,
+            num_prompt_tokens=later.num_prompt_tokens,
+            num_cached_tokens=later.num_cached_tokens,
+            prompt_logprobs=(
+                self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
+            ),
+        )
+
+
+class PendingChunks:
+    """What a request's consumer has not taken yet, as one chunk: a chunk that arrives before the
+    last was taken is merged into it. When the engine steps faster than the event loop serves
+    every stream (an H200 at concurrency 256: 10,961 output tok/s offline, 3,706 over HTTP), a
+    stream's next wake-up then carries every token since its last, one event and one write,
+    instead of a backlog of one event per token (vLLM's output collector does the same). A
+    failure replaces what is pending and stays."""
+
+    def __init__(self) -> None:
+        self._item: GenerationChunk | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: GenerationChunk | BaseException) -> None:
+        pending = self._item
+        if isinstance(pending, BaseException):
+            return
+        if pending is not None and isinstance(item, GenerationChunk):
+            item = pending.then(item)
+        self._item = item
+        self._ready.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._item is not None
+
+    async def get(self) -> GenerationChunk | BaseException:
+        await self._ready.wait()
+        item, self._item = self._item, None
+        self._ready.clear()
+        assert item is not None
+        return item
+
 
 @dataclass
 class _RequestState:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[GenerationChunk | BaseException]
+    pending: PendingChunks
     detokenizer: IncrementalDetokenizer
     arrival: float = field(default_factory=time.perf_counter)
     last_token_time: float | None = None
@@ -68,10 +116,16 @@ class RequestStream:
         self.request_id = request_id
         self.finished = False
         self._engine = engine
-        self._queue = state.queue
+        self._pending = state.pending
+
+    @property
+    def ready(self) -> bool:
+        """A chunk waits: `next` returns without suspending."""
+        return self._pending.ready
 
     async def next(self) -> GenerationChunk:
-        item = await self._queue.get()
+        """Every token since the last call, as one chunk."""
+        item = await self._pending.get()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -149,7 +203,7 @@ class AsyncLLMEngine:
         detokenizer = IncrementalDetokenizer(
             self.engine.tokenizer, prompt_token_ids, stop, params.min_tokens
         )
-        state = _RequestState(asyncio.get_running_loop(), asyncio.Queue(), detokenizer)
+        state = _RequestState(asyncio.get_running_loop(), PendingChunks(), detokenizer)
         with self._lock:
             pending_adds = sum(1 for kind, *_ in self._commands if kind == "add")
             if self.max_queue is not None and self._num_waiting + pending_adds >= self.max_queue:
@@ -261,11 +315,11 @@ class AsyncLLMEngine:
     def _hand_over(self, deliveries: list[tuple[_RequestState, GenerationChunk] | None]) -> None:
         """One wake-up of each event loop per step, not one per request: with 64 streams the
         per-chunk wake-ups (a pipe write each) cost the GIL more than the step's own Python."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, GenerationChunk]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[PendingChunks, GenerationChunk]]] = {}
         for delivery in deliveries:
             if delivery is not None:
                 state, chunk = delivery
-                by_loop.setdefault(state.loop, []).append((state.queue, chunk))
+                by_loop.setdefault(state.loop, []).append((state.pending, chunk))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
@@ -318,15 +372,15 @@ class AsyncLLMEngine:
         with self._lock:
             state = self._states.pop(request_id, None)
         if state is not None:
-            state.loop.call_soon_threadsafe(state.queue.put_nowait, exc)
+            state.loop.call_soon_threadsafe(state.pending.put, exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             states, self._states = self._states, {}
         for state in states.values():
-            state.loop.call_soon_threadsafe(state.queue.put_nowait, exc)
+            state.loop.call_soon_threadsafe(state.pending.put, exc)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, GenerationChunk]]) -> None:
-    for queue, chunk in items:
-        queue.put_nowait(chunk)
+def _put_all(items: list[tuple[PendingChunks, GenerationChunk]]) -> None:
+    for pending, chunk in items:
+        pending.put(chunk)
