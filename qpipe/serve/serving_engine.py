@@ -377,7 +377,7 @@ class OpenAIServing:
 
     async def _within_keepalive(self, ready: bool, get: Callable[[], Awaitable[T]]) -> T | None:
         """`await get()`, or None once a keep-alive interval passes first. Where an item is
-        `ready` no timer is armed: under load most are, and a timer per chunk (armed, then
+        `ready` no timer is armed: when the loop lags most are, and a timer per chunk (armed, then
         cancelled) was over a quarter of the streaming loop's own time at 256 streams.
         NOTE: not asyncio.wait_for: on Python 3.11 it returns the item instead of raising when
         the task is cancelled in the same loop turn the item arrives, and the cancelled request

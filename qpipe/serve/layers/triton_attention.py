@@ -220,10 +220,10 @@ def context_attention(
 ) -> None:
     """A step's prefill chunks, fresh prompts and those that continue a sequence already in the
     cache (a prefix-cache hit, the second chunk of a long prompt), all in one call: chunk i's
-    queries are rows
-    query_starts[i]..query_starts[i + 1] of q and out ([rows, heads, head_dim]), its K/V
-    (this step's included, written first) are seq_lens[i] tokens read through block_tables[i],
-    and each query sees the keys up to its own position. `max_queries`: the longest chunk.
+    queries are rows query_starts[i]..query_starts[i + 1] of q and out ([rows, heads,
+    head_dim]), its K/V (this step's included, written first) are seq_lens[i] tokens read
+    through block_tables[i], and each query sees the keys up to its own position.
+    `max_queries`: the longest chunk.
 
     Why: SDPA needs each chunk after context gathered into a contiguous copy, a causal mask
     materialized, and one call per chunk or per length of fresh prompts; on the H200 its cuDNN

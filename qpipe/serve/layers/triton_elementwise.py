@@ -9,8 +9,8 @@ cache write's index arithmetic and two scatters four; SiLU * up two), against fi
 step on the H200 took 2.7 ms at one sequence for ~1,000 launches inside its CUDA graph. vLLM has
 CUDA kernels for the same five steps for the same reason. An fp8 layer's per-token rounding of
 its input is ten eager launches (absmax, scale, zero guard, divide, clamp, cast, the scales'
-layout), one here: SmolLM2 FP8_DYNAMIC on the H200 decoded at 4.2 ms a step at concurrency 32
-against bf16's 2.0 ms.
+layout), one here: before it, SmolLM2 FP8_DYNAMIC on the H200 decoded at 4.2 ms a step at
+concurrency 32 against bf16's 2.0 ms.
 
 Each function has the signature and the rounding of its C++ twin in `qpipe/serve/csrc/`
 (`torch.ops.qpipe_cpu`), so a layer calls whichever set serves its tensor (`fused_ops`): compute
