@@ -9,8 +9,9 @@ context, its inputs built as any step's), which no graph records. Not a test.
 Why: on the H200 a SmolLM2 decode step took 2.7 ms at one sequence, ~40x the time to read its
 weights: a small model's step is bound by how many kernels it launches. Triton runs here in its
 interpreter (set below, before Triton is imported), whose own bookkeeping ops (`set_`, `copy_`)
-are left out, and with them the mixed step's two copies per layer around SDPA (its output
-transposed into place); views and allocations launch nothing and are left out too.
+are left out; views and allocations launch nothing and are left out too. (The GPU path's mixed
+step calls no SDPA since the thirty-second session: every prefill chunk goes to the context
+kernel.)
 """
 
 from __future__ import annotations

@@ -346,10 +346,10 @@ class ModelRunner:
         for item in prefills:
             seq, start, n = item.seq, item.start, item.num_new_tokens
             if in_kernel:
-                tables.append(seq.block_table[: -(-(start + n) // bs)])
+                tables.append(self._covering(item))
                 seq_lens.append(start + n)
             elif not chunk_kernel:
-                spans = self._with_span(spans, item, len(ids))
+                self._add_span(spans, item, len(ids))
             ids.extend(seq.token_ids[start : start + n])
             pos.extend(range(start, start + n))
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -379,21 +379,21 @@ class ModelRunner:
         )
         return torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta
 
-    def _with_span(
-        self, spans: list[PrefillSpan], item: ScheduledSeq, token_start: int
-    ) -> list[PrefillSpan]:
-        """`spans` with SDPA's share of one chunk added: a fresh prompt joins the span before it
+    def _covering(self, item: ScheduledSeq) -> list[int]:
+        """The blocks of `item`'s sequence up to the end of its chunk."""
+        return item.seq.block_table[: -(-(item.start + item.num_new_tokens) // self.block_size)]
+
+    def _add_span(self, spans: list[PrefillSpan], item: ScheduledSeq, token_start: int) -> None:
+        """SDPA's share of one chunk, added to `spans`: a fresh prompt joins the span before it
         when that holds fresh prompts of its length; a chunk after cached context reads that
         context through its block table."""
         start, n = item.start, item.num_new_tokens
         last = spans[-1] if spans else None
         if start == 0 and last and last.context_start == 0 and last.num_tokens == n:
-            return [*spans[:-1], replace(last, num_seqs=last.num_seqs + 1)]
-        table = None
-        if start > 0:
-            covering = item.seq.block_table[: -(-(start + n) // self.block_size)]
-            table = torch.tensor(covering, device=self.device)
-        return [*spans, PrefillSpan(token_start, n, start, table)]
+            spans[-1] = replace(last, num_seqs=last.num_seqs + 1)
+            return
+        table = torch.tensor(self._covering(item), device=self.device) if start > 0 else None
+        spans.append(PrefillSpan(token_start, n, start, table))
 
     def _prefill_chunks(self, prefills: list[ScheduledSeq], num_rows: int) -> PrefillChunks | None:
         """Every prefill chunk of the step, fresh prompts and chunks after cached context alike,
@@ -402,8 +402,7 @@ class ModelRunner:
             return None
         counts = [item.num_new_tokens for item in prefills]
         ends = [item.start + item.num_new_tokens for item in prefills]
-        blocks = [-(-end // self.block_size) for end in ends]
-        tables = [item.seq.block_table[:n] for item, n in zip(prefills, blocks, strict=True)]
+        tables = [self._covering(item) for item in prefills]
         return PrefillChunks(
             row_start=num_rows - sum(counts),
             block_tables=torch.tensor(padded_tables(tables), dtype=torch.int32, device=self.device),
