@@ -33,7 +33,6 @@ from qpipe.serve.async_engine import (
     QueueFullError,
 )
 from qpipe.serve.config import EngineConfig
-from qpipe.serve.detokenizer import IncrementalDetokenizer
 from qpipe.serve.engine import LLMEngine
 from qpipe.serve.http_server import DrainingServer
 from qpipe.serve.metrics import ServerMetrics
@@ -143,50 +142,7 @@ def sse_events(lines: list[str]) -> list[dict]:
     return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
 
 
-# ---- detokenizer ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_checkpoint: Path):  # noqa: ANN201 - a transformers tokenizer
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_llama_checkpoint)
-
-
-def test_detokenizer_never_emits_partial_utf8(tokenizer) -> None:  # noqa: ANN001
-    text = "Grüße 🦙🚀 naïve café — 日本語のテキスト"
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"))
-    pieces = [detok.add_tokens([token_id]) for token_id in ids]
-    assert all("\ufffd" not in piece for piece in pieces)
-    assert "".join(pieces) + detok.flush() == text
-    assert sum(not piece for piece in pieces) > 0, "some tokens end mid-character and are held back"
-
-
-def test_detokenizer_cuts_at_stop_string_and_holds_back_its_prefix(tokenizer) -> None:  # noqa: ANN001
-    ids = tokenizer.encode("one two three four five", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, [], stop=["three f"])
-    pieces = []
-    for token_id in ids:
-        pieces.append(detok.add_tokens([token_id]))
-        if detok.stopped:
-            break
-    assert detok.stopped
-    assert "".join(pieces) + detok.flush() == "one two "
-    assert not any("thr" in piece for piece in pieces), "a stop-string prefix must not be sent"
-
-
-def test_detokenizer_ignores_stop_strings_within_min_tokens(tokenizer) -> None:  # noqa: ANN001
-    ids = tokenizer.encode("one two one two one", add_special_tokens=False)
-    first_two = len(tokenizer.encode("one two", add_special_tokens=False))
-    detok = IncrementalDetokenizer(tokenizer, [], stop=["two"], min_tokens=first_two)
-    text = ""
-    for token_id in ids:
-        text += detok.add_tokens([token_id])
-        if detok.stopped:
-            break
-    assert detok.stopped
-    assert text + detok.flush() == "one two one "
+# ---- the engine thread's hand-over -------------------------------------------------------------
 
 
 def test_chunks_a_slow_consumer_has_not_taken_arrive_as_one() -> None:

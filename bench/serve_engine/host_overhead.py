@@ -7,7 +7,9 @@ forward costs next to nothing. Not a test: timings depend on the machine.
 Why: on a GPU a decode step's kernels run in a CUDA graph in a few milliseconds, and everything
 the host does between two replays adds to it, per sequence. On the H200 (twenty-ninth session) a
 SmolLM2 step grew 22 us per added sequence, which at concurrency 256 would be ~5.6 ms of a step;
-this measures the Python part of that on CPU, where it can be changed and checked.
+this measures the Python part of that on CPU, where it can be changed and checked. The server
+also detokenizes every new token on the engine thread between two steps (`detokenize`, with the
+served path's `IncrementalDetokenizer`).
 
 TOKENIZER_DIR is any checkpoint (its tokenizer is reused); the model is a 1-layer Llama of hidden
 size 64 and a 4,096-token vocabulary with random weights, written to a temporary directory.
@@ -26,6 +28,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from qpipe.serve import model_runner
 from qpipe.serve.config import EngineConfig
+from qpipe.serve.detokenizer import IncrementalDetokenizer
 from qpipe.serve.engine import LLMEngine
 from qpipe.serve.sampling_params import SamplingParams
 
@@ -104,9 +107,13 @@ def main() -> None:
             params = SamplingParams(
                 max_tokens=args.steps * args.repeats + 4, temperature=0, ignore_eos=True
             )
+            detokenizers = {}
             for i in range(concurrency):
                 prompt = torch.randint(100, VOCAB, (16,), generator=gen).tolist()
                 engine.add_request(f"{concurrency}-{i}", prompt, params)
+                detokenizers[f"{concurrency}-{i}"] = IncrementalDetokenizer(
+                    engine.tokenizer, prompt
+                )
             engine.step()  # the prefills
             engine.step()
             windows = []  # a shared VM's noise only ever adds: the quietest window counts
@@ -114,10 +121,16 @@ def main() -> None:
                 timers.spent.clear()
                 timers.on = True
                 start = time.perf_counter()
+                detokenizing = 0.0
                 for _ in range(args.steps):
-                    engine.step()
+                    outputs = engine.step()
+                    detokenize_start = time.perf_counter()
+                    for output in outputs:
+                        detokenizers[output.request_id].add_tokens(output.new_token_ids)
+                    detokenizing += time.perf_counter() - detokenize_start
                 elapsed = time.perf_counter() - start
                 timers.on = False
+                timers.spent["detokenize"] = detokenizing
                 windows.append((elapsed, dict(timers.spent)))
             while engine.has_unfinished():
                 engine.step()

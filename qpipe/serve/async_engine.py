@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from qpipe.serve.detokenizer import IncrementalDetokenizer
 from qpipe.serve.sampling_params import SamplingParams
@@ -36,10 +36,10 @@ class EngineUnavailableError(RuntimeError):
     """The engine is shutting down or died: no new requests are taken."""
 
 
-@dataclass(frozen=True)
-class GenerationChunk:
+class GenerationChunk(NamedTuple):
     """What a request gained since its last chunk. `text` is safe to show: no partial UTF-8
-    character, no partial stop string, nothing past a stop string."""
+    character, no partial stop string, nothing past a stop string. A tuple, as the engine's
+    `RequestOutput`: the engine thread builds one per running request per step."""
 
     text: str
     token_ids: list[int]
@@ -270,7 +270,7 @@ class AsyncLLMEngine:
                     # the queue as this step leaves it, before it runs: a request it admits
                     # (a long prefill) no longer counts against --max-queue while it computes
                     self._observe_stats()
-                    self._hand_over([self._deliver(out) for out in self.engine.execute(batch)])
+                    self._hand_over(self._deliver_step(self.engine.execute(batch)))
                 else:
                     self._observe_stats()
                     self._wake.wait(self._idle_poll_s)
@@ -323,12 +323,22 @@ class AsyncLLMEngine:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
-    def _deliver(self, output: RequestOutput) -> tuple[_RequestState, GenerationChunk] | None:
+    def _deliver_step(
+        self, outputs: list[RequestOutput]
+    ) -> list[tuple[_RequestState, GenerationChunk] | None]:
+        """One clock reading and one token count per step: every output of a step arrives at once,
+        and at a GPU's step rate each per-token call here is a share of the step."""
+        now = time.perf_counter()
+        self.metrics.generation_tokens.inc(sum(len(out.new_token_ids) for out in outputs))
+        return [self._deliver(output, now) for output in outputs]
+
+    def _deliver(
+        self, output: RequestOutput, now: float
+    ) -> tuple[_RequestState, GenerationChunk] | None:
         with self._lock:
             state = self._states.get(output.request_id)
         if state is None:  # aborted while this step ran
             return None
-        now = time.perf_counter()
         metrics = self.metrics
         if state.last_token_time is None:
             metrics.time_to_first_token.observe(now - state.arrival)
@@ -336,7 +346,6 @@ class AsyncLLMEngine:
         else:
             metrics.inter_token_latency.observe(now - state.last_token_time)
         state.last_token_time = now
-        metrics.generation_tokens.inc(len(output.new_token_ids))
 
         detokenizer = state.detokenizer
         text = detokenizer.add_tokens(output.new_token_ids)
