@@ -30,6 +30,7 @@ from qpipe.serve.openai_protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from qpipe.serve.prompt_encoder import PromptEncoder
 from qpipe.serve.serving_chat import OpenAIServingChat
 from qpipe.serve.serving_completion import OpenAIServingCompletion
 from qpipe.serve.serving_engine import ServingSettings
@@ -77,8 +78,11 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         served_model_name=settings.served_model_name,
         keepalive_interval_s=settings.keepalive_interval_s,
     )
-    completion = OpenAIServingCompletion(engine, serving_settings)
-    chat = OpenAIServingChat(engine, serving_settings)
+    encoder = PromptEncoder(
+        engine.engine.tokenizer, in_worker=engine.engine.model_runner.device.type != "cpu"
+    )
+    completion = OpenAIServingCompletion(engine, serving_settings, encoder)
+    chat = OpenAIServingChat(engine, serving_settings, encoder)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -150,11 +154,11 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
-            ids = chat.chat_prompt(
+            ids = await chat.chat_prompt(
                 body.messages, body.add_generation_prompt, body.continue_final_message
             )
         else:
-            ids = chat.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await encoder.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=chat.max_model_len)
 
     @app.post("/detokenize", dependencies=authed)

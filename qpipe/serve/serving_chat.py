@@ -36,7 +36,7 @@ from qpipe.serve.tool_calls import ForcedToolCall
 
 
 class OpenAIServingChat(OpenAIServing):
-    def _prepare(
+    async def _prepare(
         self, body: ChatCompletionRequest
     ) -> tuple[list[int], SamplingParams, ForcedToolCall | None]:
         self.check_model(body.model)
@@ -57,7 +57,7 @@ class OpenAIServingChat(OpenAIServing):
                 400, "top_logprobs needs logprobs: true (as in OpenAI's API)", param="top_logprobs"
             )
         tools = None if forced is None else [t.model_dump(exclude_none=True) for t in forced.tools]
-        prompt = self.chat_prompt(
+        prompt = await self.chat_prompt(
             body.messages, body.add_generation_prompt, body.continue_final_message, tools
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -93,7 +93,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(
         self, body: ChatCompletionRequest, disconnected: Disconnected
     ) -> ChatCompletionResponse | AsyncIterator[bytes]:
-        prompt, params, forced = self._prepare(body)
+        prompt, params, forced = await self._prepare(body)
         await self.compile_structured_output(body, params)
         streams = self.start([prompt], params, body.stop_strings(), body.n)
         if body.stream:

@@ -26,7 +26,7 @@ from qpipe.serve.serving_engine import (
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def _prompts(self, body: CompletionRequest) -> list[list[int]]:
+    async def _prompts(self, body: CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
         if isinstance(prompt, str):
             prompts: list[str | list[int]] = [prompt]
@@ -38,19 +38,19 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, "prompt is empty", param="prompt")
         token_lists = []
         for p in prompts:
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            ids = await self.encoder.encode(p) if isinstance(p, str) else list(p)
             if not ids:
                 raise APIError(400, "prompt is empty: it encodes to no tokens", param="prompt")
             self.check_token_ids(ids, "prompt")
             token_lists.append(ids)
         return token_lists
 
-    def _prepare(self, body: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+    async def _prepare(self, body: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
         self.check_model(body.model)
         self.check_fields(body)
         if body.suffix:
             raise APIError(400, "suffix is not supported by qpipe's server", param="suffix")
-        prompts = self._prompts(body)
+        prompts = await self._prompts(body)
         longest = max(len(p) for p in prompts)
         # echo with logprobs scores the prompt too, as lm-eval's loglikelihood requests need
         prompt_logprobs = body.logprobs if body.echo else None
@@ -93,7 +93,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(
         self, body: CompletionRequest, disconnected: Disconnected
     ) -> CompletionResponse | AsyncIterator[bytes]:
-        prompts, params = self._prepare(body)
+        prompts, params = await self._prepare(body)
         await self.compile_structured_output(body, params)
         n = body.n
         streams = self.start(prompts, params, body.stop_strings(), n)

@@ -23,6 +23,7 @@ from qpipe.serve.async_engine import (
     RequestStream,
 )
 from qpipe.serve.openai_protocol import ChatMessage, SamplingRequest, UsageInfo
+from qpipe.serve.prompt_encoder import PromptEncoder
 from qpipe.serve.sampling_params import SamplingParams, StructuredOutput
 from qpipe.serve.structured_output import choice_grammar
 
@@ -80,10 +81,13 @@ def sse_event(payload: str) -> bytes:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, settings: ServingSettings) -> None:
+    def __init__(
+        self, engine: AsyncLLMEngine, settings: ServingSettings, encoder: PromptEncoder
+    ) -> None:
         self.engine = engine
         self.settings = settings
         self.tokenizer = engine.engine.tokenizer
+        self.encoder = encoder
         self.max_model_len: int = engine.engine.max_model_len
         self.vocab_size: int = engine.engine.vocab_size
 
@@ -237,7 +241,7 @@ class OpenAIServing:
             message = str(exc).removeprefix("SamplingParams.")  # which starts with the field
             raise APIError(400, message, param=message.partition(" ")[0]) from exc
 
-    def chat_prompt(
+    async def chat_prompt(
         self,
         messages: list[ChatMessage],
         add_generation_prompt: bool,
@@ -275,7 +279,7 @@ class OpenAIServing:
             continue_final_message=continue_final_message,
             tokenize=False,
         )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return await self.encoder.encode(text, add_special_tokens=False)
 
     # ---- generation -----------------------------------------------------------------------------
 
