@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from qpipe.serve.api import ServerSettings, build_app
 from qpipe.serve.async_engine import (
+    KEEP_ALIVE,
     AsyncLLMEngine,
     EngineUnavailableError,
     GenerationChunk,
@@ -147,7 +148,7 @@ def sse_events(lines: list[str]) -> list[dict]:
 
 def test_chunks_a_slow_consumer_has_not_taken_arrive_as_one() -> None:
     """A stream whose reader lags gets every token since its last read in one chunk; a failure
-    replaces what is pending and is not overwritten."""
+    replaces what is pending and is not overwritten; a keep-alive waits only in an empty slot."""
 
     def chunk(text: str, token: int, **kw: object) -> GenerationChunk:
         fields: dict = {"logprobs": [{token: -0.5}], "finished": False, "finish_reason": None}
@@ -171,6 +172,16 @@ def test_chunks_a_slow_consumer_has_not_taken_arrive_as_one() -> None:
         pending.put(failure)
         pending.put(chunk("b", 5))
         assert await pending.get() is failure
+
+        quiet = PendingChunks()
+        quiet.keep_alive()
+        assert quiet.ready and await quiet.get() is KEEP_ALIVE
+        quiet.keep_alive()
+        quiet.put(chunk("c", 6))  # a chunk replaces a keep-alive nobody took yet
+        assert await quiet.get() == chunk("c", 6)
+        quiet.put(chunk("d", 7))
+        quiet.keep_alive()  # and a keep-alive never replaces a chunk
+        assert await quiet.get() == chunk("d", 7)
 
     asyncio.run(run())
 
@@ -994,6 +1005,13 @@ def test_the_server_and_the_engine_drain_against_one_deadline(
 def test_keepalives_and_graceful_shutdown_drain(tiny_llama_checkpoint: Path) -> None:
     # NOTE: a 1 ms keep-alive interval is shorter than any engine step, so comments must appear
     running = start_server(tiny_llama_checkpoint, keepalive_interval_s=0.001)
+    two = {"model": MODEL, "prompt": "two of me", "max_tokens": 16, "n": 2, "stream": True}
+    with httpx.stream(
+        "POST", f"{running.url}/v1/completions", json=two, headers=AUTH, timeout=60
+    ) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert ": keep-alive" in lines, "n > 1 reads its streams through a queue, with its own timer"
+    assert {c["index"] for e in sse_events(lines) for c in e["choices"]} == {0, 1}
     body = {"model": MODEL, "prompt": "drain me", "max_tokens": 64, "ignore_eos": True}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
     lines = []
