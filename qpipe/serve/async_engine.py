@@ -103,10 +103,6 @@ class PendingChunks:
             self._item = KEEP_ALIVE
             self._ready.set()
 
-    @property
-    def ready(self) -> bool:
-        return self._item is not None
-
     async def get(self) -> GenerationChunk | BaseException | KeepAlive:
         await self._ready.wait()
         item, self._item = self._item, None
@@ -133,11 +129,6 @@ class RequestStream:
         self.finished = False
         self._engine = engine
         self._pending = state.pending
-
-    @property
-    def ready(self) -> bool:
-        """A chunk waits: `next` returns without suspending."""
-        return self._pending.ready
 
     async def next(self) -> GenerationChunk | KeepAlive:
         """Every token since the last call, as one chunk; or `KEEP_ALIVE` when `keep_alive` was
