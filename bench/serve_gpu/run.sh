@@ -12,7 +12,7 @@ out=$(mktemp -d)
 pack() { tar czf "$dest/run.tar.gz" -C "$out" .; }
 budget=${2:-480}
 shift $(( $# >= 2 ? 2 : 1 ))
-steps=${*:-tests graphs profile eager hf served fp8 kv-fp8}
+steps=${*:-tests graphs profile eager hf served served-switch fp8 kv-fp8}
 py=python3
 # the image lacks pydantic, fastapi, uvicorn and compressed-tensors: wheels carried in .whl
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -32,6 +32,24 @@ time_left() {  # a step starts only while the budget lasts
 # one engine per call, its levels one after another (a level's JSON line is written as it ends)
 bench() { timeout 150 $py bench/serve_engine/throughput.py --device cuda --dtype bfloat16 "$@"; }
 bf16=/tmp/smollm2-bf16 fp8=/tmp/smollm2-fp8
+# `qpipe serve` on the bf16 model, with Python code run first ($2), measured by `qpipe bench`;
+# the server threads' CPU seconds (/proc) at the end tell the event loop's share
+served() {
+  $py -c "import runpy, sys; $2; runpy.run_module('qpipe', run_name='__main__')" serve $bf16 \
+    --device cuda --dtype bfloat16 --max-num-seqs 256 --gpu-memory-utilization 0.3 \
+    --port 8321 > "$out/serve-$1.log" 2>&1 &
+  local server=$!
+  for _ in $(seq 120); do
+    curl -sf localhost:8321/health > /dev/null && break
+    kill -0 $server 2> /dev/null || break
+    sleep 1
+  done
+  timeout 120 $py -m qpipe bench --endpoint http://127.0.0.1:8321 --concurrency 1,32,256 \
+    --input-len 128 --output-len 64 --result-file "$out/served-$1.jsonl" 2>&1 | tail -25
+  curl -s localhost:8321/metrics | grep -E "^qpipe:(num_preemptions|generation_tokens)_total"
+  grep -H . /proc/$server/task/*/comm /proc/$server/task/*/stat > "$out/serve-$1-threads.txt"
+  kill -INT $server; wait $server
+}
 # random weights in SmolLM2's shapes: bf16 for speed, fp32 where the tests compare tokens
 $py bench/serve_gpu/random_weights.py .device_model $bf16 --dtype bfloat16 || exit 1
 
@@ -58,19 +76,10 @@ for step in $steps; do
     time_left "hf generate" && timeout 120 $py bench/serve_gpu/hf_peer.py $bf16 \
       --concurrency 1 32 256 --json "$out/results.jsonl" ;;
   served)  # over HTTP (qpipe serve + qpipe bench, streaming): what a client of the server sees
-    time_left served || continue
-    $py -m qpipe serve $bf16 --device cuda --dtype bfloat16 --max-num-seqs 256 \
-      --gpu-memory-utilization 0.3 --port 8321 > "$out/serve.log" 2>&1 &
-    server=$!
-    for _ in $(seq 120); do
-      curl -sf localhost:8321/health > /dev/null && break
-      kill -0 $server 2> /dev/null || break
-      sleep 1
-    done
-    timeout 120 $py -m qpipe bench --endpoint http://127.0.0.1:8321 --concurrency 1,32,256 \
-      --input-len 128 --output-len 64 --result-file "$out/served.jsonl" 2>&1 | tail -25
-    curl -s localhost:8321/metrics | grep -E "^qpipe:(num_preemptions|generation_tokens)_total"
-    kill -INT $server; wait $server ;;
+    time_left served && served default pass ;;
+  served-switch)  # the same with the GIL handed over every 0.5 ms, not 5: the engine thread
+    # waits for the GIL after each op that releases it, while the event loop streams
+    time_left served-switch && served switch-0.5ms "sys.setswitchinterval(5e-4)" ;;
   fp8)  # the FP8_DYNAMIC layout on fp8 tensor cores (torch._scaled_mm), graphs on
     time_left fp8 || continue
     $py bench/serve_gpu/random_weights.py .device_model $fp8 --fp8 || continue
