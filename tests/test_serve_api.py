@@ -30,6 +30,7 @@ from qpipe.serve.async_engine import (
     AsyncLLMEngine,
     EngineUnavailableError,
     GenerationChunk,
+    LoopMailbox,
     PendingChunks,
     QueueFullError,
 )
@@ -181,6 +182,35 @@ def test_chunks_a_slow_consumer_has_not_taken_arrive_as_one() -> None:
         assert await quiet.get() == chunk("d", 7)
 
     asyncio.run(run())
+
+
+def test_chunks_posted_while_a_wake_up_is_on_its_way_ride_with_it() -> None:
+    """The engine thread wakes a loop once for all the steps it posts before the loop takes them."""
+
+    class CountingLoop(asyncio.SelectorEventLoop):
+        wake_ups = 0
+
+        def call_soon_threadsafe(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.wake_ups += 1
+            return super().call_soon_threadsafe(*args, **kwargs)
+
+    def chunk(text: str, token: int) -> GenerationChunk:
+        return GenerationChunk(text, [token], None, False, None, 5, 0)
+
+    loop = CountingLoop()
+    try:
+        pending, mailbox = PendingChunks(), LoopMailbox()
+        mailbox.post(loop, [(pending, chunk("a", 1))])
+        mailbox.post(loop, [(pending, chunk("b", 2))])  # the loop has not run since the first
+        assert loop.wake_ups == 1
+        assert loop.run_until_complete(pending.get()) == GenerationChunk(
+            "ab", [1, 2], None, False, None, 5, 0
+        )
+        mailbox.post(loop, [(pending, chunk("c", 3))])  # all taken: this one wakes it again
+        assert loop.wake_ups == 2
+        assert loop.run_until_complete(pending.get()) == chunk("c", 3)
+    finally:
+        loop.close()
 
 
 # ---- OpenAI API over HTTP ------------------------------------------------------------------------

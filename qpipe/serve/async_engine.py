@@ -14,6 +14,7 @@ import enum
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -174,6 +175,10 @@ class AsyncLLMEngine:
         self._commands: deque[tuple[str, str, object]] = deque()
         self._states: dict[str, _RequestState] = {}
         self._lock = threading.Lock()  # guards _states between handlers and the engine thread
+        # the engine thread's own; weak, so that a closed loop (tests run several) can go
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = (
+            weakref.WeakKeyDictionary()
+        )
         self._wake = threading.Event()
         self._stop = False
         self._accepting = True
@@ -326,15 +331,18 @@ class AsyncLLMEngine:
             self.metrics.request_finished("abort")
 
     def _hand_over(self, deliveries: list[tuple[_RequestState, GenerationChunk] | None]) -> None:
-        """One wake-up of each event loop per step, not one per request: with 64 streams the
-        per-chunk wake-ups (a pipe write each) cost the GIL more than the step's own Python."""
+        """At most one wake-up of each event loop per step, not one per request: with 64 streams
+        the per-chunk wake-ups (a pipe write each) cost the GIL more than the step's own Python."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[PendingChunks, GenerationChunk]]] = {}
         for delivery in deliveries:
             if delivery is not None:
                 state, chunk = delivery
                 by_loop.setdefault(state.loop, []).append((state.pending, chunk))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[loop] = LoopMailbox()
+            mailbox.post(loop, items)
 
     def _deliver_step(
         self, outputs: list[RequestOutput]
@@ -403,6 +411,30 @@ class AsyncLLMEngine:
             state.loop.call_soon_threadsafe(state.pending.put, exc)
 
 
-def _put_all(items: list[tuple[PendingChunks, GenerationChunk]]) -> None:
-    for pending, chunk in items:
-        pending.put(chunk)
+class LoopMailbox:
+    """Chunks on their way to one event loop. While a wake-up is on its way, a later step's chunks
+    join it rather than send another: a wake-up is a socket write, which gives up the GIL, and the
+    engine thread must then win it back from a loop that is busy streaming, the case where the
+    loop runs behind the engine and the next wake-up was not needed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[tuple[PendingChunks, GenerationChunk]] = []
+        self._woken = False
+
+    def post(
+        self, loop: asyncio.AbstractEventLoop, items: list[tuple[PendingChunks, GenerationChunk]]
+    ) -> None:
+        with self._lock:
+            self._items += items
+            if self._woken:
+                return
+            self._woken = True
+        loop.call_soon_threadsafe(self._take)
+
+    def _take(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._woken = False
+        for pending, chunk in items:
+            pending.put(chunk)
