@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,9 +37,11 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = list(prompt)  # type: ignore[arg-type]
         if not prompts:
             raise APIError(400, "prompt is empty", param="prompt")
+        texts = [p for p in prompts if isinstance(p, str)]  # encoded together, in one batch
+        encoded = iter(await asyncio.gather(*(self.encoder.encode(text) for text in texts)))
         token_lists = []
         for p in prompts:
-            ids = await self.encoder.encode(p) if isinstance(p, str) else list(p)
+            ids = next(encoded) if isinstance(p, str) else list(p)
             if not ids:
                 raise APIError(400, "prompt is empty: it encodes to no tokens", param="prompt")
             self.check_token_ids(ids, "prompt")
