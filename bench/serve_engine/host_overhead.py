@@ -100,6 +100,7 @@ def main() -> None:
         timers.wrap(engine.model_runner.model, "final_hidden", "forward")
         timers.wrap(engine.model_runner.model, "compute_logits", "forward")
         timers.wrap(model_runner, "sample", "sample")
+        timers.wrap(IncrementalDetokenizer, "add_tokens", "detokenize")
         gen = torch.Generator().manual_seed(0)
         # sampling's argmax over the vocabulary is compute here, a few microseconds on a GPU
         print("concurrency | step us | forward us | host us | host but sample us / seq | parts")
@@ -110,10 +111,9 @@ def main() -> None:
             detokenizers = {}
             for i in range(concurrency):
                 prompt = torch.randint(100, VOCAB, (16,), generator=gen).tolist()
-                engine.add_request(f"{concurrency}-{i}", prompt, params)
-                detokenizers[f"{concurrency}-{i}"] = IncrementalDetokenizer(
-                    engine.tokenizer, prompt
-                )
+                request_id = f"{concurrency}-{i}"
+                engine.add_request(request_id, prompt, params)
+                detokenizers[request_id] = IncrementalDetokenizer(engine.tokenizer, prompt)
             engine.step()  # the prefills
             engine.step()
             windows = []  # a shared VM's noise only ever adds: the quietest window counts
@@ -121,16 +121,11 @@ def main() -> None:
                 timers.spent.clear()
                 timers.on = True
                 start = time.perf_counter()
-                detokenizing = 0.0
                 for _ in range(args.steps):
-                    outputs = engine.step()
-                    detokenize_start = time.perf_counter()
-                    for output in outputs:
+                    for output in engine.step():
                         detokenizers[output.request_id].add_tokens(output.new_token_ids)
-                    detokenizing += time.perf_counter() - detokenize_start
                 elapsed = time.perf_counter() - start
                 timers.on = False
-                timers.spent["detokenize"] = detokenizing
                 windows.append((elapsed, dict(timers.spent)))
             while engine.has_unfinished():
                 engine.step()

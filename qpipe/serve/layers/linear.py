@@ -370,10 +370,10 @@ def fp8_linear(
     """x rounded through fp8 (`quantize_fp8`; on a GPU its Triton twin, one launch instead of
     ten) times the fp8 weight [out, in] with its per-channel scales [out, 1], plus bias, as one
     `torch._scaled_mm`: fp8 products summed in fp32, scaled per row and column, rounded once.
-    Its operand contract (CUDA's): the input
-    row-major, the weight column-major (a transposed view of the row-major weight), fp32 scales
-    [rows, 1] and [1, out]; with per-row scales CUDA writes bf16 only. torch's CPU reference
-    implementation takes the same operands, which is how CI checks them."""
+    Its operand contract (CUDA's): the input row-major, the weight column-major (a transposed
+    view of the row-major weight), fp32 scales [rows, 1] and [1, out]; with per-row scales CUDA
+    writes bf16 only. torch's CPU reference implementation takes the same operands, which is how
+    CI checks them."""
     if triton_elementwise.usable(x) and x.dim() == 2 and x.stride(-1) == 1:
         q, row_scales = triton_elementwise.quantize_fp8(x, input_scale)
     else:
