@@ -55,7 +55,8 @@ def gpu_kernel_engine(checkpoint: str, **config: Any) -> Any:  # noqa: ANN401 - 
 
     triton_elementwise.usable = lambda x: x.dtype in triton_elementwise.DTYPES
     triton_attention.usable = lambda q: True
-    engine = LLMEngine(EngineConfig(model=checkpoint, device="cpu", **config))
+    # fp32 named, not left to "auto": that is bf16 on CPUs with a bf16 dot product (a Zen 4)
+    engine = LLMEngine(EngineConfig(model=checkpoint, device="cpu", dtype="float32", **config))
     runner = engine.model_runner
     runner.attention_kernel, runner.kernel_family = True, "triton"
     return engine
