@@ -347,15 +347,20 @@ class AsyncLLMEngine:
     def _deliver_step(
         self, outputs: list[RequestOutput]
     ) -> list[tuple[_RequestState, GenerationChunk] | None]:
-        """One clock reading and one token count per step: every output of a step arrives at once,
-        and at a GPU's step rate each per-token call here is a share of the step."""
+        """One clock reading, one token count and one inter-token-latency update per step: every
+        output of a step arrives at once, and at a GPU's step rate each per-token call here is a
+        share of the step."""
         now = time.perf_counter()
         self.metrics.generation_tokens.inc(sum(len(out.new_token_ids) for out in outputs))
-        return [self._deliver(output, now) for output in outputs]
+        gaps: list[float] = []
+        deliveries = [self._deliver(output, now, gaps) for output in outputs]
+        self.metrics.inter_token_latency.observe_many(gaps)
+        return deliveries
 
     def _deliver(
-        self, output: RequestOutput, now: float
+        self, output: RequestOutput, now: float, gaps: list[float]
     ) -> tuple[_RequestState, GenerationChunk] | None:
+        """The chunk for one request's output; its inter-token gap goes into `gaps`."""
         with self._lock:
             state = self._states.get(output.request_id)
         if state is None:  # aborted while this step ran
@@ -365,7 +370,7 @@ class AsyncLLMEngine:
             metrics.time_to_first_token.observe(now - state.arrival)
             metrics.prompt_tokens.inc(output.num_prompt_tokens)
         else:
-            metrics.inter_token_latency.observe(now - state.last_token_time)
+            gaps.append(now - state.last_token_time)
         state.last_token_time = now
 
         detokenizer = state.detokenizer

@@ -6,9 +6,15 @@ cumulative counts (prefix-cache queries, preemptions); they become Prometheus co
 
 from __future__ import annotations
 
+import threading
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from qpipe.serve.engine import EngineStats
@@ -21,6 +27,51 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class StepHistogram(Collector):
+    """A Prometheus histogram that takes a whole engine step's values in one call. The engine
+    thread records one inter-token gap per running stream per step, and prometheus_client's
+    `observe` takes a lock and scans the buckets for each value: on a Zen 4, 0.7 us a value
+    against 0.14 here (the list of gaps included), so 0.18 -> 0.04 ms of host time per step at
+    256 streams. Rendered as prometheus_client renders a `Histogram` (`le` buckets, `_sum`,
+    `_count`), without its `_created` series."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        model_name: str,
+        buckets: tuple[float, ...],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name, self._documentation, self._model_name = name, documentation, model_name
+        self._bounds = buckets
+        self._counts = [0] * (len(buckets) + 1)  # the last one is +Inf's own
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        bounds, counts = self._bounds, [0] * len(self._counts)
+        total = 0.0
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1  # le: a value on a bound counts in its bucket
+            total += value
+        with self._lock:
+            self._counts = [a + b for a, b in zip(self._counts, counts, strict=True)]
+            self._sum += total
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        family = HistogramMetricFamily(self._name, self._documentation, labels=["model_name"])
+        cumulative, buckets = 0, []
+        for bound, count in zip([*self._bounds, float("inf")], counts, strict=True):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        family.add_metric([self._model_name], buckets, sum_value=total)
+        yield family
 
 
 class ServerMetrics:
@@ -43,8 +94,12 @@ class ServerMetrics:
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS
         )
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Time between consecutive output tokens.", _ITL_BUCKETS
+        self.inter_token_latency = StepHistogram(
+            "qpipe:inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            model_name,
+            _ITL_BUCKETS,
+            self.registry,
         )
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Time from arrival to the last token.", _E2E_BUCKETS

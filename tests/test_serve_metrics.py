@@ -1,0 +1,45 @@
+"""The inter-token-latency histogram that takes a step's values at once renders as
+prometheus_client's own Histogram would for the same values."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from qpipe.serve.metrics import StepHistogram
+
+NAME = "qpipe:inter_token_latency_seconds"
+BUCKETS = (0.01, 0.025, 0.05, 0.1, 1.0)
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
+    text = generate_latest(registry).decode()
+    return {
+        (sample.name, sample.labels.get("le", "")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.name.endswith("_created")
+    }
+
+
+def test_step_histogram_renders_what_a_prometheus_histogram_would() -> None:
+    # below the first bound, on bounds (le: counted in that bucket), between, above the last
+    steps = [[0.001, 0.01, 0.0100001, 0.025], [], [0.07, 0.1, 0.1, 2.5, 40.0], [0.05]]
+    reference_registry, step_registry = CollectorRegistry(), CollectorRegistry()
+    reference = Histogram(
+        NAME, "gaps", ["model_name"], buckets=BUCKETS, registry=reference_registry
+    ).labels("m")
+    batched = StepHistogram(NAME, "gaps", "m", BUCKETS, step_registry)
+    for step in steps:
+        for value in step:
+            reference.observe(value)
+        batched.observe_many(step)
+        want, got = samples(reference_registry), samples(step_registry)
+        assert want.keys() == got.keys()
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-12), key
+    got = samples(step_registry)
+    assert got[(f"{NAME}_bucket", "0.01")] == 2
+    assert got[(f"{NAME}_bucket", "0.1")] == 8
+    assert got[(f"{NAME}_bucket", "+Inf")] == got[(f"{NAME}_count", "")] == 10
