@@ -476,7 +476,7 @@ def _recipe_shape(path: Path, store: str | None) -> tuple[Any, str, int, str]:
     quant = RECIPE_QUANT.get(q.method) or DTYPE_QUANT[pipeline.recipe.model.dtype]
     if q.method == "gptq":
         quant = "int8" if q.bits == 8 else "int4"
-    kv_dtype = "fp8" if q.kv_cache == "fp8" else "bf16"
+    kv_dtype = "bf16" if q.kv_cache == "none" else "fp8"
     return load_shape(Path(convert.path)), quant, q.group_size or 128, kv_dtype
 
 

@@ -216,6 +216,7 @@ def test_key_extras_and_alias(monkeypatch: pytest.MonkeyPatch) -> None:
         ("{method: int4-wo}", "int4-wo"),
         ("{method: int8-sq, kv_cache: fp8}", "int8-fp8kv"),
         ("{method: none, kv_cache: fp8}", "bf16-fp8kv"),
+        ("{method: awq, kv_cache: fp8-head}", "awq-fp8kv"),  # per-head scales: the same engine
     ]:
         recipe = parse_recipe(base + f"quantization: {quant}\ncalibration: {{dataset: d}}\n"
                               "build: {tp: 4, pp: 2}\n")  # fmt: skip

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from qpipe.quant.config import QuantizationConfig
 from qpipe.quant.group_size import GroupSizeError, check_group_size
+from qpipe.quant.schemes import kv_cache_args
 from qpipe.recipe import RecipeError, parse_recipe
 
 
@@ -50,8 +51,13 @@ def test_an_fp8_kv_cache_calibrates_with_any_method() -> None:
     assert QuantizationConfig(method="int4-wo", kv_cache="fp8").method_calibrates
     with pytest.raises(RecipeError, match="method 'none' with kv_cache 'fp8' needs a calibration"):
         parse_recipe("name: t\nmodel: {source: x}\nquantization: {kv_cache: fp8}\n")
-    with pytest.raises(RecipeError, match="kv_cache: Input should be 'none' or 'fp8'"):
+    with pytest.raises(RecipeError, match="kv_cache: Input should be 'none', 'fp8' or 'fp8-head'"):
         parse_recipe("name: t\nmodel: {source: x}\nquantization: {kv_cache: int8}\n")
+    per_head = QuantizationConfig(method="int8-sq", kv_cache="fp8-head")
+    assert per_head.method_calibrates
+    assert [kv_cache_args(QuantizationConfig(kv_cache=kv)).strategy for kv in ("fp8", "fp8-head")] \
+        == ["tensor", "attn_head"]  # fmt: skip
+    assert kv_cache_args(QuantizationConfig()) is None
 
 
 def test_group_size_check_names_layer_field_and_fix(smollm2_checkpoint: Path) -> None:

@@ -18,8 +18,9 @@ _UNSAFE = re.compile(r"[^a-z0-9._-]+")
 
 def quant_name(quant: QuantizationConfig, dtype: str) -> str:
     """The short quantization name used in aliases (bf16/fp16/fp32 for unquantized weights),
-    with `-fp8kv` when the KV cache is fp8 (`int8-fp8kv`): it changes what the engine reads."""
-    kv = "-fp8kv" if quant.kv_cache == "fp8" else ""
+    with `-fp8kv` when the KV cache is fp8 (`int8-fp8kv`), its scales per layer or per head: it
+    changes what the engine reads."""
+    kv = "" if quant.kv_cache == "none" else "-fp8kv"
     return _weights_name(quant, dtype) + kv
 
 

@@ -102,10 +102,12 @@ class QuantizationConfig(Section):
         description="int8-sq/fp8 activation scales: dynamic per-token, or static per-tensor "
         "(measured on the calibration set).",
     )
-    kv_cache: Literal["none", "fp8"] = Field(
+    kv_cache: Literal["none", "fp8", "fp8-head"] = Field(
         default="none",
         description="fp8: K and V stored in fp8 e4m3 with one scale per layer each, measured on "
-        "the calibration set (k_scale/v_scale, as vLLM and TensorRT-LLM read them).",
+        "the calibration set (k_scale/v_scale, as vLLM and TensorRT-LLM read them); fp8-head: "
+        "one scale per KV head (llm-compressor's attn_head strategy), for heads whose ranges "
+        "differ widely (TensorRT-LLM keeps one factor per layer: the largest).",
     )
     keep_16bit: list[str] = Field(
         default_factory=lambda: ["lm_head"],

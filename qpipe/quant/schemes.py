@@ -51,17 +51,18 @@ def activation_args(quant: QuantizationConfig) -> QuantizationArgs | None:
 
 
 def kv_cache_args(quant: QuantizationConfig) -> QuantizationArgs | None:
-    """fp8 e4m3 K and V with one static scale per layer each: llm-compressor's running estimate
-    of the largest |K| (after RoPE) and |V| over the calibration set, over 448. These are the
-    `k_scale`/`v_scale` that vLLM, TensorRT-LLM and qpipe's server read. Without them fp8
-    saturates at 448 and keeps fewer bits below 2^-6, where most of SmolLM2's first-layer V
-    lies (it peaks near 0.6)."""
+    """fp8 e4m3 K and V with static scales, one per layer each (`fp8`) or one per KV head
+    (`fp8-head`): llm-compressor's running estimate of the largest |K| (after RoPE) and |V|
+    over the calibration set, over 448. These are the `k_scale`/`v_scale` that vLLM,
+    TensorRT-LLM and qpipe's server read. Without them fp8 saturates at 448 and keeps fewer bits
+    below 2^-6, where most of SmolLM2's first-layer V lies (it peaks near 0.6)."""
     from compressed_tensors.quantization import QuantizationArgs
 
     if quant.kv_cache == "none":
         return None
+    strategy = "attn_head" if quant.kv_cache == "fp8-head" else "tensor"
     return QuantizationArgs(
-        num_bits=8, type="float", strategy="tensor", symmetric=True, dynamic=False
+        num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=False
     )
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from qpipe.serve import ARTIFACT_FORMAT_VERSION as FORMAT_VERSION
+from qpipe.serve.layers.attention import KVScales
 from qpipe.serve.layers.linear import LINEAR_KINDS, LinearBase
 from qpipe.serve.loader import read_kv_scales
 from qpipe.serve.models.llama import WeightSource
@@ -66,12 +67,14 @@ class ArtifactWeights:
     def tensor(self, name: str) -> torch.Tensor:
         return self.file.get_tensor(name).to(self.device, self.dtype)
 
-    def kv_scales(self, attn: str) -> tuple[float, float] | None:
+    def kv_scales(self, attn: str, num_kv_heads: int) -> KVScales | None:
         if not self.kv_cache_fp8:
             return None
         return read_kv_scales(
-            lambda name: self.file.get_tensor(name) if name in self.names else None, attn
-        )
+            lambda name: self.file.get_tensor(name) if name in self.names else None,
+            attn,
+            num_kv_heads,
+        ).to(self.device, self.dtype)
 
     def linear(self, name: str, parts: list[str]) -> LinearBase:
         kind = self.linears[name]
@@ -105,12 +108,13 @@ class RecordingWeights:
         self.linears[name] = self.inner.linear(name, parts)
         return self.linears[name]
 
-    def kv_scales(self, attn: str) -> tuple[float, float] | None:
-        scales = self.inner.kv_scales(attn)
+    def kv_scales(self, attn: str, num_kv_heads: int) -> KVScales | None:
+        scales = self.inner.kv_scales(attn, num_kv_heads)
         if scales is not None:
             self.kv_cache_fp8 = True
             for name, value in zip(("k_scale", "v_scale"), scales, strict=True):
-                self.tensors[f"{attn}.{name}"] = torch.tensor([value], dtype=torch.float32)
+                tensor = torch.as_tensor(value, dtype=torch.float32, device="cpu").reshape(-1)
+                self.tensors[f"{attn}.{name}"] = tensor
         return scales
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from qpipe.serve.layers.attention import KVScales
 from qpipe.serve.layers.linear import (
     DenseLinear,
     Fp8Linear,
@@ -87,31 +88,35 @@ class QuantizationConfig:
 
 
 def _kv_cache_fp8(scheme: dict | None) -> bool:
-    """Whether the checkpoint calibrated an fp8 KV cache: e4m3 with one static scale per layer
-    for K and one for V (`k_scale`, `v_scale`), what llm-compressor writes for
-    `kv_cache_scheme` and vLLM serves. Other schemes are refused, not served unscaled."""
+    """Whether the checkpoint calibrated an fp8 KV cache: e4m3 with static scales for K and
+    for V (`k_scale`, `v_scale`), one per layer or one per KV head (llm-compressor's `tensor`
+    and `attn_head` strategies for `kv_cache_scheme`). Other schemes are refused, not served
+    unscaled."""
     if not scheme:
         return False
     served = (
         scheme.get("type") == "float"
         and scheme.get("num_bits") == 8
-        and scheme.get("strategy") == "tensor"
+        and scheme.get("strategy") in ("tensor", "attn_head")
         and not scheme.get("dynamic")
     )
     if not served:
         described = {k: scheme.get(k) for k in ("type", "num_bits", "strategy", "dynamic")}
         raise ValueError(
             f"quantization_config.kv_cache_scheme {described} is not served; qpipe serves fp8 "
-            "(type float, 8 bits) with static per-tensor scales. Quantize the KV cache with "
-            "qpipe's quantization.kv_cache: fp8, or drop kv_cache_scheme"
+            "(type float, 8 bits) with static scales per tensor or per attention head. Quantize "
+            "the KV cache with qpipe's quantization.kv_cache: fp8 or fp8-head, or drop "
+            "kv_cache_scheme"
         )
     return True
 
 
-def read_kv_scales(source: Callable[[str], torch.Tensor | None], attn: str) -> tuple[float, float]:
-    """(k_scale, v_scale) of one attention module, from a lookup that returns None when a
-    tensor is missing."""
-    scales = []
+def read_kv_scales(
+    source: Callable[[str], torch.Tensor | None], attn: str, num_kv_heads: int
+) -> KVScales:
+    """The k_scale and v_scale of one attention module, from a lookup that returns None when a
+    tensor is missing: floats for one scale each, fp32 [num_kv_heads] tensors for one per head."""
+    scales: list[float | torch.Tensor] = []
     for name in (f"{attn}.k_scale", f"{attn}.v_scale"):
         tensor = source(name)
         if tensor is None:
@@ -119,8 +124,17 @@ def read_kv_scales(source: Callable[[str], torch.Tensor | None], attn: str) -> t
                 f"tensor {name!r} is missing: the checkpoint declares an fp8 KV cache "
                 "(kv_cache_scheme) but has no scale for this layer; re-run its quantization"
             )
-        scales.append(float(tensor.float().reshape(())))
-    return scales[0], scales[1]
+        flat = tensor.float().reshape(-1)
+        if flat.numel() not in (1, num_kv_heads):
+            raise ValueError(
+                f"tensor {name!r} holds {flat.numel()} scales; an fp8 KV cache takes one per "
+                f"layer or one per KV head ({num_kv_heads} here); re-run its quantization"
+            )
+        scales.append(float(flat) if flat.numel() == 1 else flat)
+    k, v = scales
+    if isinstance(k, float) != isinstance(v, float):
+        raise ValueError(f"{attn}: k_scale and v_scale hold different numbers of scales")
+    return KVScales(k, v)
 
 
 class CheckpointWeights:
@@ -161,8 +175,10 @@ class CheckpointWeights:
             raise KeyError(f"tensor {name!r} is missing from the checkpoint")
         return raw.to(self.device, self.dtype)
 
-    def kv_scales(self, attn: str) -> tuple[float, float] | None:
-        return read_kv_scales(self._raw, attn) if self.quantization.kv_cache_fp8 else None
+    def kv_scales(self, attn: str, num_kv_heads: int) -> KVScales | None:
+        if not self.quantization.kv_cache_fp8:
+            return None
+        return read_kv_scales(self._raw, attn, num_kv_heads).to(self.device, self.dtype)
 
     def linear(self, name: str, parts: list[str]) -> LinearBase:
         schemes = {self.quantization.scheme_for(part) for part in parts}
@@ -291,8 +307,8 @@ class PackingWeights:
     def tensor(self, name: str) -> torch.Tensor:
         return self.inner.tensor(name)
 
-    def kv_scales(self, attn: str) -> tuple[float, float] | None:
-        return self.inner.kv_scales(attn)
+    def kv_scales(self, attn: str, num_kv_heads: int) -> KVScales | None:
+        return self.inner.kv_scales(attn, num_kv_heads)
 
     def linear(self, name: str, parts: list[str]) -> LinearBase:
         layer = self.inner.linear(name, parts)

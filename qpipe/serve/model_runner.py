@@ -144,7 +144,9 @@ class ModelRunner:
             log.info("the checkpoint's fp8 KV scales are unused: the cache is %s",
                      self.kv_cache_dtype_name)  # fmt: skip
             return
-        k, v = zip(*scales, strict=True)
+        pairs = [layer.values() for layer in scales]
+        k = [x for ks, _ in pairs for x in ks]
+        v = [x for _, vs in pairs for x in vs]
         log.info(
             "fp8 KV cache divided by the checkpoint's scales: k_scale %.3g-%.3g, v_scale %.3g-%.3g",
             min(k), max(k), min(v), max(v),

@@ -21,9 +21,10 @@ into their slots first; then
 The cache may hold a narrower dtype than the model computes in (`kv_cache_dtype`): new K/V are
 rounded to it before they are written, and fresh prompts attend to the rounded values too, so a
 prefix-cache hit or a later chunk reads what the first pass used. An fp8 cache holds K / k_scale
-and V / v_scale when the checkpoint calibrated those scales (one per layer each, else 1); every
-path then attends over the stored values as they are, with k_scale folded into the softmax scale
-and v_scale into the output, so no kernel reads a scale.
+and V / v_scale when the checkpoint calibrated those scales (one per layer each, or one per KV
+head; else 1); every path then attends over the stored values as they are, with k_scale folded
+into the softmax scale (per head: into the query heads of its group) and v_scale into the output,
+so no kernel reads a scale.
 """
 
 from __future__ import annotations
@@ -37,6 +38,25 @@ import torch.nn.functional as F
 from qpipe.serve.layers import cpu_kernels, triton_attention
 from qpipe.serve.layers.elementwise_ops import fused_ops
 from qpipe.serve.layers.fp8 import FP8_MAX
+
+
+class KVScales(NamedTuple):
+    """A checkpoint's fp8 KV-cache scales for one layer: one per tensor (floats), or one per KV
+    head (llm-compressor's `attn_head` strategy: [kv_heads] tensors in the compute dtype, so
+    the division of K and V and its fold into q and the output use the same rounded values)."""
+
+    k: float | torch.Tensor
+    v: float | torch.Tensor
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> KVScales:
+        if isinstance(self.k, float):
+            return self
+        return KVScales(self.k.to(device, dtype), self.v.to(device, dtype))
+
+    def values(self) -> tuple[list[float], list[float]]:
+        """Every k and v scale, for the log."""
+        k, v = (torch.as_tensor(x, dtype=torch.float32).reshape(-1).tolist() for x in self)
+        return k, v
 
 
 class LayerCache(NamedTuple):
@@ -103,26 +123,31 @@ def paged_attention(
     cache: LayerCache,
     meta: AttentionMetadata,
     scale: float,
-    kv_scales: tuple[float, float] | None = None,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; cache: this layer's; kv_scales:
-    the checkpoint's (k_scale, v_scale), used when the cache is fp8.
+    the checkpoint's, used when the cache is fp8.
     Returns [T, heads * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
     k_cache, v_cache = cache
-    v_scale = 1.0
+    v_scale: float | torch.Tensor = 1.0
     if kv_scales is not None and k_cache.dtype == torch.float8_e4m3fn:
         k_scale, v_scale = kv_scales
-        k, v = k.div_(k_scale), v.div_(v_scale)
-        scale *= k_scale
+        if isinstance(k_scale, torch.Tensor):  # per KV head, onto the query heads of its group
+            k, v = k.div_(k_scale[:, None]), v.div_(v_scale[:, None])
+            q = q * k_scale.repeat_interleave(group)[:, None]
+            v_scale = v_scale.repeat_interleave(group)[:, None]
+        else:
+            k, v = k.div_(k_scale), v.div_(v_scale)
+            scale *= k_scale
     ops = fused_ops(k)
     if ops is not None:  # rounds k and v in place to what the cache holds
         ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     else:
         k, v = _write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = q.new_empty(q.shape)
-    group = num_heads // num_kv_heads
 
     decodes = meta.num_decode_tokens
     if meta.seq_lens is not None and meta.decode_mask is None:
@@ -175,7 +200,7 @@ def paged_attention(
             enable_gqa=group > 1,
         )
         out[rows] = o.transpose(1, 2).reshape(seqs * n, num_heads, head_dim)
-    if v_scale != 1.0:
+    if isinstance(v_scale, torch.Tensor) or v_scale != 1.0:
         out.mul_(v_scale)
     return out.view(num_tokens, num_heads * head_dim)
 

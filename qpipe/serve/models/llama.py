@@ -16,7 +16,12 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from qpipe.serve.layers.activation import gated_mlp
-from qpipe.serve.layers.attention import AttentionMetadata, LayerCache, paged_attention
+from qpipe.serve.layers.attention import (
+    AttentionMetadata,
+    KVScales,
+    LayerCache,
+    paged_attention,
+)
 from qpipe.serve.layers.linear import DenseLinear, LinearBase
 from qpipe.serve.layers.norm import RMSNorm
 from qpipe.serve.layers.rotary import RotaryEmbedding, RotaryTables
@@ -31,9 +36,9 @@ class WeightSource(Protocol):
 
     def linear(self, name: str, parts: list[str]) -> LinearBase: ...
 
-    def kv_scales(self, attn: str) -> tuple[float, float] | None:
-        """(k_scale, v_scale) of an attention module whose checkpoint calibrated an fp8 KV
-        cache, else None."""
+    def kv_scales(self, attn: str, num_kv_heads: int) -> KVScales | None:
+        """The k_scale and v_scale of an attention module whose checkpoint calibrated an fp8 KV
+        cache, on the model's device, else None."""
         ...
 
 
@@ -51,7 +56,7 @@ class LlamaDecoderLayer(nn.Module):
             f"{attn}.qkv_proj", [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"]
         )
         self.o_proj = weights.linear(f"{attn}.o_proj", [f"{attn}.o_proj"])
-        self.kv_scales = weights.kv_scales(attn)
+        self.kv_scales = weights.kv_scales(attn, self.num_kv_heads)
         self.post_attention_layernorm = RMSNorm(
             weights.tensor(f"{prefix}.post_attention_layernorm.weight"), eps
         )
