@@ -632,7 +632,8 @@ def assert_rounded_once_to_bf16(
 ) -> None:
     """Every output of the bf16 layer is the exact product rounded once to bf16 (within half a
     bf16 ulp, plus the fp32 sums' error), at every row count up to a block of rows and its
-    tails, 32 and 100 rows."""
+    tails, 32 and 100 rows; `float_output` (an LM head's logits) gives the fp32 sums that
+    rounding starts from: within their own error of the exact product, and finer than bf16."""
     for rows in (*range(1, 18), 32, 100):
         x = torch.randn(rows, weight.shape[1], generator=gen).to(torch.bfloat16)
         y = layer(x)
@@ -640,6 +641,12 @@ def assert_rounded_once_to_bf16(
         exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
         bound = exact.abs() * 2**-8 + 1e-6 * exact.abs().max()
         assert ((y.double() - exact).abs() <= bound).all(), rows
+        sums = layer.float_output(x)
+        assert sums.dtype is torch.float32 and torch.equal(sums.bfloat16(), y), rows
+        torch.testing.assert_close(
+            sums.double(), exact, atol=1e-6 * exact.abs().max().item(), rtol=0
+        )
+        assert (sums != sums.bfloat16().float()).float().mean() > 0.9, rows
 
 
 @pytest.mark.parametrize(("dot_product", "kernels"), [(False, True), (True, True), (False, False)])

@@ -43,7 +43,8 @@ at::Tensor weight_only_product(const at::Tensor& x, const at::Tensor& weight,
 
 // dense_linear.cpp
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
-                        const c10::optional<at::Tensor>& bias, int64_t out_features);
+                        const c10::optional<at::Tensor>& bias, int64_t out_features,
+                        bool float_out);
 
 // kv_cache.cpp
 void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& k, at::Tensor& v,

@@ -227,6 +227,7 @@ void fp32_tiles_product(float* o, const float* xs, int64_t rows, int64_t k, int6
 QPIPE_TILES_PRODUCT(float, float, int8_t);
 QPIPE_TILES_PRODUCT(float, float, uint8_t);
 QPIPE_TILES_PRODUCT(float, float, bf16);
+QPIPE_TILES_PRODUCT(float, bf16, bf16);  // bf16 x (and bias) summed into fp32 logits
 QPIPE_TILES_PRODUCT(bf16, bf16, int8_t);
 QPIPE_TILES_PRODUCT(bf16, bf16, uint8_t);
 QPIPE_TILES_PRODUCT(bf16, bf16, bf16);

@@ -22,7 +22,9 @@ TORCH_LIBRARY(qpipe_cpu, m) {
         qpipe_cpu::int8_gated_mlp);
   m.def("weight_only_linear(Tensor x, Tensor weight, Tensor scales, Tensor? zeros, "
         "Tensor? bias, int out_features) -> Tensor");
-  m.def("dense_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor");
+  m.def(
+      "dense_linear(Tensor x, Tensor weight, Tensor? bias, int out_features, bool float_out=False)"
+      " -> Tensor");
   m.def("weight_only_expand(Tensor weight, Tensor scales, Tensor? zeros, int out_features) "
         "-> Tensor");
   m.def("weight_only_product(Tensor x, Tensor weight, Tensor scales, Tensor? zeros, "

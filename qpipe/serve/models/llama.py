@@ -141,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head.float_output(hidden)
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
