@@ -18,11 +18,11 @@ namespace {
 
 // x @ weight.T + bias for a bf16 weight in tiles: the weight read at 2 bytes, widened in
 // registers (direct blocks) or into an fp32 panel per tile, fp32 sums, then the bias and one
-// rounding to `out`'s dtype (x's, or fp32: `float_out`). For bf16 x on CPUs whose bf16 GEMM is emulated, as a bf16 GEMM with fp32
-// accumulation computes it: measured on a Zen 3 (AVX2), SmolLM2 served in bf16 at concurrency 8,
-// 13.6 output tok/s on torch's bf16 GEMM, 56.5 here (fp32 weights on the tiles: 57.9). For fp32
-// x, an fp32 weight whose values are all bf16 (a 16-bit checkpoint served in fp32): the same
-// products in fp32 from half the bytes.
+// rounding to `out`'s dtype (x's, or fp32: `float_out`). For bf16 x on CPUs whose bf16 GEMM is
+// emulated, as a bf16 GEMM with fp32 accumulation computes it: measured on a Zen 3 (AVX2),
+// SmolLM2 served in bf16 at concurrency 8, 13.6 output tok/s on torch's bf16 GEMM, 56.5 here
+// (fp32 weights on the tiles: 57.9). For fp32 x, an fp32 weight whose values are all bf16 (a
+// 16-bit checkpoint served in fp32): the same products in fp32 from half the bytes.
 at::Tensor dense_bf16_linear(const at::Tensor& x, const at::Tensor& weight, bool has_bias,
                              const c10::optional<at::Tensor>& bias, int64_t n, at::Tensor& out) {
   const int64_t rows = x.size(0), k = x.size(1);
