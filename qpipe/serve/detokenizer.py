@@ -21,6 +21,8 @@ from typing import Protocol
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
+from qpipe.serve.tokenizer import backend_of
+
 # Prompt tokens decoded ahead of the output, for tokenizers whose spaces depend on context.
 _PROMPT_CONTEXT_TOKENS = 5
 # Tokens a stream may hold back at once: a UTF-8 character spans at most 4 byte tokens.
@@ -110,11 +112,11 @@ class IncrementalDetokenizer:
         """Stop strings are looked for once more than `min_tokens` tokens came (vLLM's rule):
         text the first `min_tokens` tokens complete cannot stop the request."""
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        backend = getattr(tokenizer, "backend_tokenizer", None)
+        backend = backend_of(tokenizer)
         self._decoder: _StreamDecoder | _WindowDecoder = (
-            _StreamDecoder(tokenizer, backend, context)
-            if isinstance(backend, BackendTokenizer)
-            else _WindowDecoder(tokenizer, context)
+            _WindowDecoder(tokenizer, context)
+            if backend is None
+            else _StreamDecoder(tokenizer, backend, context)
         )
         self._num_output_tokens = 0
         self._min_tokens = min_tokens

@@ -18,7 +18,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from tokenizers import Tokenizer as BackendTokenizer
+from qpipe.serve.tokenizer import backend_of
 
 
 class Tokenizer(Protocol):
@@ -34,8 +34,7 @@ _Waiting = tuple[str, bool, _Future]
 class PromptEncoder:
     def __init__(self, tokenizer: Tokenizer, in_worker: bool) -> None:
         self._tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._backend = backend if isinstance(backend, BackendTokenizer) else None
+        self._backend = backend_of(tokenizer)
         # one worker: a batch has the cores to itself; its thread ends with the encoder
         self._worker = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="qpipe-encoder")

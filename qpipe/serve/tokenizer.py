@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
@@ -16,3 +17,10 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
             f"{model_dir}: no usable tokenizer ({err}); copy tokenizer.json and "
             "tokenizer_config.json from the source model into this directory"
         ) from err
+
+
+def backend_of(tokenizer: object) -> BackendTokenizer | None:
+    """The `tokenizers` library's tokenizer behind a fast transformers tokenizer (one Rust call
+    per encode or decode step), or None for a tokenizer without one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend if isinstance(backend, BackendTokenizer) else None

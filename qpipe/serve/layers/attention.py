@@ -137,8 +137,7 @@ def paged_attention(
         k_scale, v_scale = kv_scales
         if isinstance(k_scale, torch.Tensor):  # per KV head, onto the query heads of its group
             k, v = k.div_(k_scale[:, None]), v.div_(v_scale[:, None])
-            q = q * k_scale.repeat_interleave(group)[:, None]
-            v_scale = v_scale.repeat_interleave(group)[:, None]
+            q = (q.unflatten(1, (num_kv_heads, group)) * k_scale[:, None, None]).flatten(1, 2)
         else:
             k, v = k.div_(k_scale), v.div_(v_scale)
             scale *= k_scale
@@ -200,7 +199,9 @@ def paged_attention(
             enable_gqa=group > 1,
         )
         out[rows] = o.transpose(1, 2).reshape(seqs * n, num_heads, head_dim)
-    if isinstance(v_scale, torch.Tensor) or v_scale != 1.0:
+    if isinstance(v_scale, torch.Tensor):
+        out.unflatten(1, (num_kv_heads, group)).mul_(v_scale[:, None, None])
+    elif v_scale != 1.0:
         out.mul_(v_scale)
     return out.view(num_tokens, num_heads * head_dim)
 
