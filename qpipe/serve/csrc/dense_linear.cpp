@@ -64,6 +64,8 @@ void bf16_pair_block(float* (&sums)[2], const bf16* x, int64_t k, const bf16* co
   vfloat acc0[ROWS] = {}, acc1[ROWS] = {};
   const int64_t steps = k / kPairGroup;
   for (int64_t i = 0; i < steps; ++i) {
+    fetch_stream_ahead(w[0] + i * kPairGroup * kTile);
+    if constexpr (TILES == 2) fetch_stream_ahead(w[1] + i * kPairGroup * kTile);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w[0] + i * kPairGroup * kTile);
     const __m512bh w1 =
         TILES == 2 ? (__m512bh)_mm512_loadu_si512(w[1] + i * kPairGroup * kTile) : w0;

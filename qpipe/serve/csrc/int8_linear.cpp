@@ -55,6 +55,8 @@ void vnni_block(float* (&sums)[2], const uint8_t* x, int64_t k, const int8_t* co
   vint acc0[ROWS] = {}, acc1[ROWS] = {};
   const int64_t steps = k / kVnniGroup;
   for (int64_t i = 0; i < steps; ++i) {
+    fetch_stream_ahead(w[0] + i * kVnniGroup * kTile);
+    if constexpr (TILES == 2) fetch_stream_ahead(w[1] + i * kVnniGroup * kTile);
     const __m512i w0 = _mm512_loadu_si512(w[0] + i * kVnniGroup * kTile);
     const __m512i w1 = TILES == 2 ? _mm512_loadu_si512(w[1] + i * kVnniGroup * kTile) : w0;
 #pragma GCC unroll 12

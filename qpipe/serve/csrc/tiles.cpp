@@ -53,6 +53,8 @@ void panel_pair_block(float* sums0, float* sums1, const float* x, int64_t k, con
                       const float* p1) {
   vfloat acc0[ROWS] = {}, acc1[ROWS] = {};
   for (int64_t i = 0; i < k; ++i) {
+    fetch_stream_ahead(p0 + i * kTile);
+    fetch_stream_ahead(p1 + i * kTile);
     const vfloat w0 = loadv(p0 + i * kTile), w1 = loadv(p1 + i * kTile);
 #pragma GCC unroll 12
     for (int r = 0; r < ROWS; ++r) {
