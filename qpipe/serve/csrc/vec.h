@@ -233,11 +233,12 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 
 // For a loop that reads a weight stream 64 bytes a step: asks for the line 2 KiB past p into L2
 // (hint 1), so each line is asked for once, 32 steps before its load. The pair tiles' products
-// stream their weights from DRAM at decode sizes, two streams a thread, and the hardware's
-// prefetchers restart at every 4 KiB page. SmolLM2's 120 products, weights from DRAM (Zen 4,
-// four alternations): W8A8 1 / 8 / 32 rows 5.0-5.8 / 6.6-7.1 / 13.2 ms -> 4.6-4.7 / 5.6-5.8 /
-// 12.1-12.2, bf16 7.5-8.0 / 8.9-10.0 / 20.8-21.0 -> 6.4-7.1 / 8.0-8.1 / 19.2-19.6, fp32 at 32
-// rows 37.9-39.8 -> 36.4-36.7; 512 rows level. 1 or 4 KiB ahead, or hint 3 (into L1), gained less.
+// stream their weights from DRAM at decode sizes, two streams a thread, which the hardware's
+// prefetchers do not follow across 4 KiB pages. SmolLM2's 120 products, weights from DRAM (Zen
+// 4; four alternations at 1 and 8 rows, two at 32): W8A8 1 / 8 / 32 rows 5.0-5.8 / 6.6-7.1 /
+// 13.2 ms -> 4.6-4.7 / 5.6-5.8 / 12.1-12.2, bf16 7.5-8.0 / 8.9-10.0 / 20.8-21.0 -> 6.4-7.1 /
+// 8.0-8.1 / 19.2-19.6, fp32 at 32 rows 37.9-39.8 -> 36.4-36.7; 512 rows level. 4 KiB ahead was
+// level with 2; 1 or 8 KiB, or hint 3 (into L1), gained less.
 inline void fetch_stream_ahead(const void* p) {
   __builtin_prefetch(static_cast<const char*>(p) + 2048, 0, 1);
 }
