@@ -88,19 +88,19 @@ void attend(const AttentionArgs<T, C>& a, int64_t s, int64_t kvh, int64_t first_
   }
   vfloat top[R];
   for (int r = 0; r < R; ++r) top[r] = minus_inf;
-  // The i-th cache line of block j's K (i < k_lines) and of its V (i < v_lines, bs rows apart).
+  // Line i of a block's K (i < k_lines) from its start `k`, of its V (i < v_lines) from `v`.
   constexpr int64_t kLine = 64;
   const int64_t k_lines = dim * bs * static_cast<int64_t>(sizeof(C)) / kLine;
   const int64_t token_lines = (dim * static_cast<int64_t>(sizeof(C)) + kLine - 1) / kLine;
-  const int64_t v_lines = bs * token_lines;
-  const auto k_line = [&](int64_t j, int64_t i) {
-    return reinterpret_cast<const char*>(a.k + (table[j] * a.kv_heads + kvh) * dim * bs) +
-           i * kLine;
+  const int64_t v_lines = bs * token_lines, v_row_bytes = v_row * static_cast<int64_t>(sizeof(C));
+  const auto k_start = [&](int64_t j) {
+    return reinterpret_cast<const char*>(a.k + (table[j] * a.kv_heads + kvh) * dim * bs);
   };
-  const auto v_line = [&](int64_t j, int64_t i) {
-    return reinterpret_cast<const char*>(a.v + (table[j] * bs + i / token_lines) * v_row +
-                                         kvh * dim) +
-           i % token_lines * kLine;
+  const auto v_start = [&](int64_t j) {
+    return reinterpret_cast<const char*>(a.v + table[j] * bs * v_row + kvh * dim);
+  };
+  const auto v_line = [&](const char* v, int64_t i) {
+    return v + i / token_lines * v_row_bytes + i % token_lines * kLine;
   };
   // The blocks are scattered and come from DRAM (a step's caches outgrow L3), so K and V are
   // fetched kPrefetchBlocks blocks ahead, the first ones before the loop, into L2 (hint 1):
@@ -109,19 +109,23 @@ void attend(const AttentionArgs<T, C>& a, int64_t s, int64_t kvh, int64_t first_
   // this 8.9 / 4.7 / 4.3; at 1,000 tokens 91 / 51 / 36 against 57 / 32 / 26. The hint is most of
   // it (one block ahead into L2: 10.0 / 5.2 / 4.4); the next item's first blocks were slower.
   for (int64_t j = 0; j < std::min(kPrefetchBlocks, blocks); ++j) {
-    for (int64_t i = 0; i < k_lines; ++i) __builtin_prefetch(k_line(j, i), 0, 1);
-    for (int64_t i = 0; i < v_lines; ++i) __builtin_prefetch(v_line(j, i), 0, 1);
+    const char *k = k_start(j), *v = v_start(j);
+    for (int64_t i = 0; i < k_lines; ++i) __builtin_prefetch(k + i * kLine, 0, 1);
+    for (int64_t i = 0; i < v_lines; ++i) __builtin_prefetch(v_line(v, i), 0, 1);
   }
   for (int64_t j = 0; j < blocks; ++j) {
     const C* kt = a.k + (table[j] * a.kv_heads + kvh) * dim * bs;
-    const int64_t ahead = j + kPrefetchBlocks;  // its lines spread over this block's scores
+    // block j + kPrefetchBlocks, its lines spread over this block's scores
+    const bool ahead = j + kPrefetchBlocks < blocks;
+    const char* k_ahead = k_start(ahead ? j + kPrefetchBlocks : j);
+    const char* v_ahead = v_start(ahead ? j + kPrefetchBlocks : j);
     for (int64_t c = 0; c < bs; c += kVectorsPerPass * kLanes) {
       vfloat sc[kVectorsPerPass][R] = {};
       for (int64_t d = 0; d < dim; ++d) {
         // line i of each: the block's steps (dim per pass over its keys) outnumber its lines
         const int64_t i = c / (kVectorsPerPass * kLanes) * dim + d;
-        if (ahead < blocks && i < k_lines) __builtin_prefetch(k_line(ahead, i), 0, 1);
-        if (ahead < blocks && i < v_lines) __builtin_prefetch(v_line(ahead, i), 0, 1);
+        if (ahead && i < k_lines) __builtin_prefetch(k_ahead + i * kLine, 0, 1);
+        if (ahead && i < v_lines) __builtin_prefetch(v_line(v_ahead, i), 0, 1);
         vfloat k[kVectorsPerPass];
         for (int u = 0; u < kVectorsPerPass; ++u) k[u] = loadv(kt + d * bs + c + u * kLanes);
         for (int r = 0; r < R; ++r) {
