@@ -72,13 +72,18 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryTables,
         cache: LayerCache,
         meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream before it): the residual add of each sub-block is
-        fused into the norm that follows it."""
+        fused into the norm that follows it. `keep` selects the rows that go on past attention:
+        every row's K/V must reach the cache, but in the last layer only the rows that will be
+        projected onto the vocabulary need the output projection and the MLP."""
         hidden, residual = self.input_layernorm(hidden, residual)
         qkv = self.qkv_proj(hidden)
         q, k, v = rotary.apply(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, cache, meta, self.scale, self.kv_scales)
+        if keep is not None:
+            attn, residual = attn[keep], residual[keep]
         hidden, residual = self.post_attention_layernorm(self.o_proj(attn), residual)
         return gated_mlp(self.gate_up_proj, self.down_proj, hidden), residual
 
@@ -135,9 +140,13 @@ class LlamaForCausalLM(nn.Module):
         hidden = F.embedding(input_ids, self.embed_tokens)
         rotary = self.rotary.tables(hidden, positions)
         residual = None
-        for layer, cache in zip(self.layers, caches, strict=True):
+        *layers, last = zip(self.layers, caches, strict=True)
+        for layer, cache in layers:
             hidden, residual = layer(hidden, residual, rotary, cache, meta)
-        hidden, _ = self.norm(hidden[indices], residual[indices])
+        # a prefill chunk's other rows only feed the caches: the last layer drops them after
+        # attention (for 128-token prompts, 3 % of the prefill's arithmetic)
+        hidden, residual = last[0](hidden, residual, rotary, last[1], meta, keep=indices)
+        hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
