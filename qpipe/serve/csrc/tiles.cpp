@@ -69,11 +69,6 @@ void panel_pair_block(float* sums0, float* sums1, const float* x, int64_t k, con
   }
 }
 
-// Independent partial sums per group in direct_block: one chain of multiply-adds per output
-// vector waits on the FMA's latency at one or two rows; at three or more the rows interleave.
-template <int ROWS>
-constexpr int kPartialSums = ROWS == 1 ? 4 : ROWS == 2 ? 2 : 1;
-
 // panel_block for a block of up to kDirectRows rows of an input of at most kDirectMaxRows, where
 // writing a panel and reading it back costs more than expanding the tile again for each block:
 // each weight vector is widened in registers and used at once. Each group's sums of x * q come

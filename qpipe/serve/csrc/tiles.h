@@ -14,8 +14,9 @@
 // the block's accumulators in registers and no sums across lanes. Measured on a Zen 3, 32 rows x
 // 576 -> 3072 with the weight in cache: 66 GFLOP/s for the earlier dot-product form on the plain
 // layout, 139 here, as fast as oneDNN's fp32 GEMM on a packed weight while reading a quarter of
-// its bytes. On CPUs with AVX512-BF16, bf16 inputs of many rows take weight_only_expand and one
-// GEMM instead (weight_only_product decides).
+// its bytes. On CPUs with AVX512-BF16, bf16 inputs take its dot product instead (weight_only.cpp:
+// the tiles' values paired for it at a few rows, expanded for brgemm or one GEMM at many;
+// weight_only_product decides).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -146,6 +147,11 @@ void expand_tile(float* dst, int64_t stride, const Q* q, const float* scales, co
     st(dst + i * stride + v * kLanes, w);
   });
 }
+
+// Independent partial sums per group in the direct blocks: one chain of multiply-adds per output
+// vector waits on the FMA's latency at one or two rows; at three or more the rows interleave.
+template <int ROWS>
+constexpr int kPartialSums = ROWS == 1 ? 4 : ROWS == 2 ? 2 : 1;
 
 // body(std::integral_constant<int, count>) for 1 <= count <= ROWS: a block's row count as a
 // compile-time constant, so that its accumulators are registers.

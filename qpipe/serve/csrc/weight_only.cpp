@@ -1,6 +1,6 @@
 // Weight-only quantized linear layers (int8, or int4 two to a byte; per-group scales and optional
-// zero points) on their tiles (tiles.h): the fp32 products, oneDNN's bf16 micro-GEMM where the CPU
-// multiplies bf16, or one expansion and a GEMM.
+// zero points) on their tiles (tiles.h): the fp32 products, AVX512-BF16's dot product on the tiles
+// or oneDNN's bf16 micro-GEMM where the CPU multiplies bf16, or one expansion and a GEMM.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/Utils.h>
@@ -72,20 +72,22 @@ constexpr bool kNativeBf16Gemm = false;
 // Whether torch's oneDNN micro-GEMM (brgemm) multiplies bf16 here: on AMX tiles where the CPU has
 // them and the kernel grants them to this process (`init_amx` asks first: some VMs report AMX but
 // fault on its first instruction without that grant), or on AVX512-BF16's dot product (a Zen 4).
-bool bf16_brgemm_usable() {
-  static const bool usable = at::cpu::init_amx() || kNativeBf16Gemm;
+bool amx_usable() {
+  static const bool usable = at::cpu::init_amx();
   return usable;
 }
+bool bf16_brgemm_usable() { return amx_usable() || kNativeBf16Gemm; }
 
 // The brgemm path's blocking, measured on a Sapphire Rapids VM (2 cores, AMX) over SmolLM2's 120
 // products per step: 4 tiles (N = 64) beat 2 and 8; 256-row calls took 512 rows in 63 ms against
 // 94 ms in 32-row calls (oneDNN's bf16 GEMM on a packed bf16 weight: 58 ms).
 constexpr int64_t kBrgemmTiles = 4;
 constexpr int64_t kBrgemmRows = 256;  // input rows per brgemm call
-// bf16 inputs of more rows than this take the brgemm path where it is usable. Below, the direct
-// blocks read the weight faster than any expansion: measured as above, 2 / 4 / 8 / 12 / 16 rows
-// 6.2 / 8.4 / 13.7 / 19.1 / 24.2 ms direct against 13.7-14.5 ms through AMX at any of them; on a
-// Zen 4 (AVX512-BF16, no AMX) 8 rows 14.8 ms direct, 9 rows 15.9 ms through brgemm.
+// bf16 inputs of more rows than this take the brgemm path where it is usable (on CPUs without
+// AMX, weight-only tiles only above kPairsMaxRows). Below, the direct blocks read the weight faster
+// than any expansion: measured as above, 2 / 4 / 8 / 12 / 16 rows 6.2 / 8.4 / 13.7 / 19.1 / 24.2
+// ms direct against 13.7-14.5 ms through AMX at any of them; on a Zen 4 (AVX512-BF16, no AMX) 8
+// rows 14.8 ms direct, 9 rows 15.9 ms through brgemm.
 constexpr int64_t kBrgemmMinRows = 8;
 
 // `count` tiles of a weight-only weight (from tile `q`, scales `s`, zero points `z`, each tile
@@ -159,6 +161,147 @@ void weight_only_brgemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   });
 }
 
+#if defined(__AVX512BF16__)
+// Weight-only tiles straight into AVX512-BF16's dot product, for bf16 inputs of a few rows.
+// `vdpbf16ps` sums two inputs' products per output lane, so a weight operand holds tile rows i and
+// i + 1 of the 16 features side by side; their integer values are exact in bf16. For int4 one
+// 16-byte load holds those two rows (tiles.h: low and high nibble) and one `vpermw` over a table
+// of the 16 values' bf16 bits makes the operand: 4 instructions per 32 weights, then one per row
+// for 32 multiply-adds, where the fp32 direct blocks take 5 to widen the same weights and 2 per
+// row. int8 rows are widened to fp32 and their bf16 halves interleaved: 6 instructions. A bf16
+// input times such an integer is exact in fp32, and each group's sums are scaled once,
+// s * (sum x q - z * sum x), as in the fp32 direct blocks: the same result up to summation order,
+// closer to the exact product than brgemm's bf16 expansion of (q - z) * s.
+static_assert(kTileVecs == 1, "the bf16 pair kernel takes one-vector tiles (AVX-512)");
+
+// The bf16 bits of each stored nibble's value (nibble - 8) for vpermw: 32 entries, 16 used.
+__m512i nibble_bf16_table() {
+  alignas(64) bf16 table[32] = {};
+  for (int u = 0; u < 16; ++u) {
+    const float value = static_cast<float>(u) - kZeroOffset<uint8_t>;
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    table[u] = static_cast<bf16>(bits >> 16);
+  }
+  return _mm512_load_si512(table);
+}
+
+// Tile rows i and i + 1 (i even) as 16 pairs of bf16 values, row i's in the low half of each lane.
+inline __m512bh weight_pairs(const uint8_t* q, int64_t i, __m512i table) {
+  const __m512i w = _mm512_cvtepu8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i / 2 * kTile)));
+  // each lane's low nibble to bits 0-3, its high nibble to bits 16-19: (w | w << 12) & 0x000F000F
+  const __m512i index = _mm512_ternarylogic_epi32(w, _mm512_slli_epi32(w, 12),
+                                                  _mm512_set1_epi32(0x000F000F), 0xA8);
+  return (__m512bh)_mm512_permutexvar_epi16(index, table);
+}
+inline __m512bh weight_pairs(const int8_t* q, int64_t i, __m512i) {
+  const auto as_float = [&](int64_t row) {
+    return _mm512_castps_si512(_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + row * kTile)))));
+  };
+  // an integer's fp32 bits end in 16 zeros: its bf16 bits are the top half, whole
+  return (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(as_float(i), 16), as_float(i + 1),
+                                             _mm512_set1_epi32(0xFFFF0000), 0xD8);
+}
+
+// part[r] += x[r][i] * w[i] + x[r][i + 1] * w[i + 1] for ROWS bf16 rows (row stride k).
+template <int ROWS>
+__attribute__((always_inline)) inline void bf16_pair_step(vfloat (&part)[ROWS], const bf16* x,
+                                                          int64_t k, int64_t i, __m512bh w) {
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+    int32_t two;
+    std::memcpy(&two, x + r * k + i, sizeof two);
+    part[r] = (vfloat)_mm512_dpbf16_ps((__m512)part[r], (__m512bh)_mm512_set1_epi32(two), w);
+  }
+}
+
+// sums[r] = x[r] . dequant(tile) for ROWS bf16 rows, in fp32; `xsum` as in the fp32 direct blocks
+// ([ROWS, groups] sums of x per group; null without zero points).
+template <int ROWS, typename Q>
+void pairs_bf16_block(float* sums, const bf16* x, const float* xsum, int64_t k, const Q* q,
+                      const float* scales, const float* zeros, int64_t group, __m512i table) {
+  constexpr int kSets = kPartialSums<ROWS>;
+  const int64_t groups = k / group;
+  vfloat acc[ROWS] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    vfloat part[kSets][ROWS] = {};
+    const int64_t end = (g + 1) * group;
+    int64_t i = g * group;
+    for (; i + 2 * kSets <= end; i += 2 * kSets) {
+#pragma GCC unroll 4
+      for (int u = 0; u < kSets; ++u) {
+        bf16_pair_step<ROWS>(part[u], x, k, i + 2 * u, weight_pairs(q, i + 2 * u, table));
+      }
+    }
+    for (; i < end; i += 2) bf16_pair_step<ROWS>(part[0], x, k, i, weight_pairs(q, i, table));
+    const vfloat s = loadv(scales + g * kTile);
+    for (int r = 0; r < ROWS; ++r) {
+      vfloat t = part[0][r];
+      for (int u = 1; u < kSets; ++u) t += part[u][r];
+      if (xsum != nullptr) t = fmadd(-loadv(zeros + g * kTile), splat(xsum[r * groups + g]), t);
+      acc[r] = fmadd(t, s, acc[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) st(sums + r * kTile, acc[r]);
+}
+
+constexpr int kPairBlockRows = 8;
+// bf16 inputs of up to this many rows take the pair kernel on CPUs without AMX, where brgemm runs
+// on the same dot product. SmolLM2 W4A16's 120 products per step on a Zen 4, weights from DRAM,
+// ms, before (fp32 direct blocks up to 8 rows, brgemm above) -> here: 1 / 2 / 4 / 8 rows 4.3-4.4 /
+// 4.8-4.9 / 6.7-6.9 / 12.2-12.5 -> 3.9-5.0 / 4.3-5.3 / 5.2 / 6.8-8.8; 12 / 16 / 24 / 32 / 64 rows
+// 15.4-15.5 / 17.3-17.8 / 21.0-21.1 / 25.2-25.3 / 40.9 -> 10.2-10.3 / 11.5-11.6 / 15.7-16.0 /
+// 19.6-20.6 / 36.5-37.5; 128 level (71 against 72.6); 256 / 512 rows 1 / 3 % behind. With AMX,
+// brgemm's tiles win from 9 rows (the comment at kBrgemmMinRows), so there the pair kernel takes
+// only the rows the direct blocks took.
+constexpr int64_t kPairsMaxRows = 64;
+
+// Whether weight_only_linear takes x to the pair kernel: bf16 rows few enough, groups of even
+// length (int4 pairs always have them).
+bool pairs_take(const at::Tensor& x, int64_t group) {
+  return x.scalar_type() == at::kBFloat16 && group % 2 == 0 &&
+         x.size(0) <= (amx_usable() ? kBrgemmMinRows : kPairsMaxRows);
+}
+
+// o [rows, n] = x (bf16) @ dequant(w).T + bias: the threads split the tiles, each read once for
+// every block of kPairBlockRows rows; fp32 sums, then the bias and one rounding.
+template <typename Q>
+void pairs_bf16_product(bf16* o, const bf16* xs, int64_t rows, int64_t k, int64_t n,
+                        int64_t tiles, const Q* q, const float* s, const float* z, int64_t group,
+                        const bf16* b) {
+  const int64_t groups = k / group, tile_scales = groups * kTile;
+  const int64_t tile_values = k / (kNibbles<Q> ? 2 : 1) * kTile;
+  std::vector<float> xsum;  // each row's sum over each group, for the zero points
+  if (z != nullptr) {
+    xsum.assign(rows * groups, 0.f);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < k; ++i) xsum[r * groups + i / group] += ld(xs + r * k + i);
+    }
+  }
+  const __m512i table = nibble_bf16_table();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    float sums[kPairBlockRows * kTile];
+    for (int64_t t = begin; t < end; ++t) {
+      // a thread's tiles are one contiguous stretch of the weight: fetch the next one
+      if (t + 1 < end) prefetch_bytes(q + (t + 1) * tile_values, tile_values * sizeof(Q));
+      const int64_t first = t * kTile, cols = std::min(kTile, n - first);
+      for (int64_t r = 0; r < rows; r += kPairBlockRows) {
+        const int64_t count = std::min<int64_t>(kPairBlockRows, rows - r);
+        with_block_rows<kPairBlockRows>(count, [&](auto c) {
+          pairs_bf16_block<decltype(c)::value>(
+              sums, xs + r * k, z != nullptr ? xsum.data() + r * groups : nullptr, k,
+              q + t * tile_values, s + t * tile_scales, z != nullptr ? z + t * tile_scales : nullptr,
+              group, table);
+        });
+        store_tile_rows(o, n, b, first, cols, sums, r, count, Epilogue{});
+      }
+    }
+  });
+}
+#endif
+
 // Whether weight_only_linear takes x to brgemm: bf16 rows enough to gain, groups of even length
 // (asked before the operands are checked, so it reads their shapes with care).
 bool brgemm_takes(const at::Tensor& x, const at::Tensor& scales) {
@@ -207,6 +350,17 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
   const bool has_zeros = zeros.has_value() && zeros->defined();
   const bool has_bias = has_bias_for(bias, x, n);
   at::Tensor out = at::empty({rows, n}, x.options());
+#if defined(__AVX512BF16__)
+  if (pairs_take(x, k / scales.size(1))) {
+    const at::Tensor xc = x.contiguous();
+    with_tile_values(weight, [&](const auto* q) {
+      pairs_bf16_product(ptr<bf16>(out), ptr<bf16>(xc), rows, k, n, weight.size(0), q,
+                         scales.data_ptr<float>(), has_zeros ? zeros->data_ptr<float>() : nullptr,
+                         k / scales.size(1), has_bias ? ptr<bf16>(*bias) : nullptr);
+    });
+    return out;
+  }
+#endif
   if (brgemm_takes(x, scales)) {
     weight_only_brgemm(out, x.contiguous(), weight, scales,
                        has_zeros ? zeros->data_ptr<float>() : nullptr,
@@ -225,8 +379,9 @@ at::Tensor weight_only_linear(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-// x @ dequant(w).T + bias by whichever form suits x (tiles.cpp's, brgemm, expansion + GEMM). bf16
-// inputs of more than kBrgemmMinRows rows go to brgemm where it is usable. SmolLM2 W4A16's 120
+// x @ dequant(w).T + bias by whichever form suits x (tiles.cpp's, the pair kernel, brgemm,
+// expansion + GEMM). bf16 inputs of more than kBrgemmMinRows rows go to brgemm where it is usable
+// (on AVX512-BF16 without AMX, above kPairsMaxRows). SmolLM2 W4A16's 120
 // products per step, ms, through the direct blocks, panels or expansion -> brgemm: on a Sapphire
 // Rapids VM (AMX), 16 / 32 / 64 / 512 rows 24.2 / 34.8 / 69.5 / 100.1 -> 14.8 / 15.8 / 18.1 / 66.4;
 // on a Zen 4 (AVX512-BF16), 16 / 32 / 64 / 128 / 512 rows 22.9 / 42.6 / 87.4 / 111.9 / 340.6 ->
