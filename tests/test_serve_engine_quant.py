@@ -77,7 +77,9 @@ def test_compressed_checkpoint_agrees_with_transformers(
     scheme computed as exactly as it can be), with transformers' own load in the engine's dtype
     as the yardstick. W4A16 in bf16 takes oneDNN's micro-GEMM on CPUs with a bf16 dot product
     (0.97 against transformers' bf16 0.96 on a Sapphire Rapids VM with AMX; the expansion + GEMM
-    it replaced, 0.95) and the fp32 panels on CPUs without one (0.97 against 0.99 on a Zen 3).
+    it replaced, 0.95), AVX512-BF16's dot product on the int4 tiles for up to 64 rows on CPUs
+    without AMX (1.0 against 0.97 on a Zen 4), and the fp32 panels on CPUs without a bf16 dot
+    product (0.97 against 0.99 on a Zen 3).
     Each quantized layer equals transformers' fake-quantized one to fp32 rounding (next test), but
     a last-bit difference can flip the rounding of the next layer's per-token activation
     quantization, and SmolLM2's outlier channels (|h| ~ 640) make some flips visible: measured on
