@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from qpipe.serve.huge_pages import HugePageArena
 from qpipe.serve.layers.attention import KVScales
 from qpipe.serve.layers.linear import (
     DenseLinear,
@@ -292,14 +293,15 @@ def resolve_dtype(requested: str, device: str, checkpoint: dict) -> torch.dtype:
 
 class PackingWeights:
     """Wraps a CPU model's `WeightSource` and packs each linear layer as it is read
-    (`LinearBase.pack_for_cpu`), so that only one layer at a time is held in its loaded form:
+    (`LinearBase.pack`), so that only one layer at a time is held in its loaded form:
     a 16-bit checkpoint served in fp32 is read as fp32 and kept in bf16 tiles, an int4 one is
     read one value per byte and kept two per byte. Packing after the whole model was read held
     every layer in both forms at the peak."""
 
-    def __init__(self, inner: WeightSource, batch_hint: int) -> None:
+    def __init__(self, inner: WeightSource, batch_hint: int, arena: HugePageArena) -> None:
         self.inner = inner
         self.batch_hint = batch_hint
+        self.arena = arena
 
     def has(self, name: str) -> bool:
         return self.inner.has(name)
@@ -312,7 +314,7 @@ class PackingWeights:
 
     def linear(self, name: str, parts: list[str]) -> LinearBase:
         layer = self.inner.linear(name, parts)
-        layer.pack_for_cpu(self.batch_hint)
+        layer.pack(self.batch_hint, self.arena)
         return layer
 
 
@@ -334,12 +336,14 @@ def load_model(
     else:
         quantization = QuantizationConfig(read_config_json(path).get("quantization_config"))
         weights = CheckpointWeights(path, quantization, dtype, target)
+    arena = HugePageArena()
     if target.type == "cpu":
-        weights = PackingWeights(weights, batch_hint)
+        weights = PackingWeights(weights, batch_hint, arena)
     with torch.device("cpu"):
         model = LlamaForCausalLM(hf_config, weights, max_positions)
     if target.type == "cpu":
-        pack_linear_weights(model, batch_hint)  # what no source handed over: a tied lm_head
+        # what no source handed over: a tied lm_head
+        pack_linear_weights(model, batch_hint, arena)
         packed = sum(m.packed is not None for m in model.modules() if isinstance(m, LinearBase))
         log.info("%d linear layers packed for this CPU", packed)
     return model.to(device).eval()

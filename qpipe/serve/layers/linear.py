@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qpipe.serve.huge_pages import HugePageArena
 from qpipe.serve.layers import cpu_kernels, triton_elementwise, triton_weight_only
 from qpipe.serve.layers.fp8 import FP8_CAPABILITY, quantize_fp8
 
@@ -39,6 +40,20 @@ class LinearBase(nn.Module):
         layout, where the format gains from it); returns whether it did. A packed layer serves,
         it is not saved: the packed weight replaces the plain one so memory does not double."""
         return False
+
+    def pack(self, batch_hint: int, arena: HugePageArena) -> bool:
+        """`pack_for_cpu`, then the packed weight, where it is a plain tensor (not oneDNN's),
+        copied onto huge pages (`huge_pages.py`); returns whether it packed."""
+        if not self.pack_for_cpu(batch_hint):
+            return False
+        packed = self.packed
+        if (
+            isinstance(packed, torch.Tensor)
+            and packed.layout is torch.strided
+            and not packed.is_mkldnn
+        ):
+            self.packed = arena.copy_of(packed)
+        return True
 
     def float_output(self, x: torch.Tensor) -> torch.Tensor:
         """`forward(x)` in fp32: an LM head's logits, which `DenseLinear` on the CPU kernels
@@ -137,11 +152,14 @@ def _packed_product(
     return cpu_kernels.ops.dense_linear(x, packed, bias, out_features)
 
 
-def pack_linear_weights(model: nn.Module, batch_hint: int) -> int:
-    """Packs the linear layers of a CPU model where their format gains from it; returns how many
-    were packed."""
+def pack_linear_weights(
+    model: nn.Module, batch_hint: int, arena: HugePageArena | None = None
+) -> int:
+    """Packs the linear layers of a CPU model where their format gains from it (`LinearBase.pack`,
+    into `arena` or a new one); returns how many were packed."""
+    arena = arena or HugePageArena()
     layers = [m for m in model.modules() if isinstance(m, LinearBase) and m.packed is None]
-    return sum(layer.pack_for_cpu(batch_hint) for layer in layers)
+    return sum(layer.pack(batch_hint, arena) for layer in layers)
 
 
 def _packed_for_onednn(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
@@ -480,10 +498,11 @@ class WeightOnlyLinear(LinearBase):
     (`cpu_kernels.tiled`), and the kernels expand one tile at a time inside the product, so the
     weight is read at its own bit width and never written out in fp32
     (measured on a Zen 3, SmolLM2 W4A16: 166 -> 40 ms per token at concurrency 1 against the eager
-    expansion). bf16 inputs of more than 8 rows on a CPU with a bf16 dot product (AMX or
-    AVX512-BF16) go to oneDNN's micro-GEMM instead, each block of 64 output features expanded
-    once per call to bf16 (`weight_only_brgemm`; groups of odd length expand the whole weight
-    above 32 rows and run one GEMM); elsewhere they stay on fp32 FMAs. On GPU a
+    expansion). On a CPU with a bf16 dot product, bf16 inputs of up to 64 rows (8 with AMX) take
+    it on the tiles themselves, two tile rows per instruction (`pairs_bf16_product`); more rows
+    go to oneDNN's micro-GEMM, each block of 64 output features expanded once per call to bf16
+    (`weight_only_brgemm`; groups of odd length expand the whole weight above 32 rows and run
+    one GEMM); elsewhere they stay on fp32 FMAs. On GPU a
     Triton kernel (`triton_weight_only`) likewise dequantizes one tile of the weight at a time in
     registers.
     Elsewhere (no kernels, or groups the kernel does not take) the weight is expanded in torch
