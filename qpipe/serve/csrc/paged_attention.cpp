@@ -93,12 +93,10 @@ void attend(const AttentionArgs<T, C>& a, int64_t s, int64_t kvh, int64_t first_
   const int64_t k_lines = dim * bs * static_cast<int64_t>(sizeof(C)) / kLine;
   const int64_t token_lines = (dim * static_cast<int64_t>(sizeof(C)) + kLine - 1) / kLine;
   const int64_t v_lines = bs * token_lines, v_row_bytes = v_row * static_cast<int64_t>(sizeof(C));
-  const auto k_start = [&](int64_t j) {
-    return reinterpret_cast<const char*>(a.k + (table[j] * a.kv_heads + kvh) * dim * bs);
-  };
-  const auto v_start = [&](int64_t j) {
-    return reinterpret_cast<const char*>(a.v + table[j] * bs * v_row + kvh * dim);
-  };
+  // block j's K (dim x bs) and its first V row, for this KV head
+  const auto k_block = [&](int64_t j) { return a.k + (table[j] * a.kv_heads + kvh) * dim * bs; };
+  const auto v_block = [&](int64_t j) { return a.v + table[j] * bs * v_row + kvh * dim; };
+  const auto bytes = [](const C* p) { return reinterpret_cast<const char*>(p); };
   const auto v_line = [&](const char* v, int64_t i) {
     return v + i / token_lines * v_row_bytes + i % token_lines * kLine;
   };
@@ -109,16 +107,16 @@ void attend(const AttentionArgs<T, C>& a, int64_t s, int64_t kvh, int64_t first_
   // this 8.9 / 4.7 / 4.3; at 1,000 tokens 91 / 51 / 36 against 57 / 32 / 26. The hint is most of
   // it (one block ahead into L2: 10.0 / 5.2 / 4.4); the next item's first blocks were slower.
   for (int64_t j = 0; j < std::min(kPrefetchBlocks, blocks); ++j) {
-    const char *k = k_start(j), *v = v_start(j);
+    const char *k = bytes(k_block(j)), *v = bytes(v_block(j));
     for (int64_t i = 0; i < k_lines; ++i) __builtin_prefetch(k + i * kLine, 0, 1);
     for (int64_t i = 0; i < v_lines; ++i) __builtin_prefetch(v_line(v, i), 0, 1);
   }
   for (int64_t j = 0; j < blocks; ++j) {
-    const C* kt = a.k + (table[j] * a.kv_heads + kvh) * dim * bs;
+    const C* kt = k_block(j);
     // block j + kPrefetchBlocks, its lines spread over this block's scores
     const bool ahead = j + kPrefetchBlocks < blocks;
-    const char* k_ahead = k_start(ahead ? j + kPrefetchBlocks : j);
-    const char* v_ahead = v_start(ahead ? j + kPrefetchBlocks : j);
+    const char* k_ahead = bytes(k_block(ahead ? j + kPrefetchBlocks : j));
+    const char* v_ahead = bytes(v_block(ahead ? j + kPrefetchBlocks : j));
     for (int64_t c = 0; c < bs; c += kVectorsPerPass * kLanes) {
       vfloat sc[kVectorsPerPass][R] = {};
       for (int64_t d = 0; d < dim; ++d) {
@@ -172,7 +170,7 @@ void attend(const AttentionArgs<T, C>& a, int64_t s, int64_t kvh, int64_t first_
   for (int64_t c = 0; c < dim; c += kVectorsPerPass * kLanes) {
     vfloat acc[kVectorsPerPass][R] = {};
     for (int64_t j = 0; j < blocks; ++j) {
-      const C* vb = a.v + table[j] * bs * v_row + kvh * dim + c;
+      const C* vb = v_block(j) + c;
       const int64_t first = j * bs, valid = std::min(bs, span - first);
       for (int64_t t = 0; t < valid; ++t) {
         vfloat v[kVectorsPerPass];

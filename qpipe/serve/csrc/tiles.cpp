@@ -153,17 +153,8 @@ void tiles_product(T* o, const float* xs, int64_t rows, int64_t k, int64_t n, in
   const int64_t tile_values = k / (kNibbles<Q> ? 2 : 1) * kTile;
   const bool direct = rows <= kDirectMaxRows;
   const bool zero_points = z != nullptr || kNibbles<Q>;
-  std::vector<float> xsum;  // each row's sum over each group, for the direct blocks' zero points
-  if (direct && zero_points) {
-    xsum.assign(rows * groups, 0.f);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t g = 0; g < groups; ++g) {
-        float sum = 0.f;
-        for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += xs[r * k + i];
-        xsum[r * groups + g] = sum;
-      }
-    }
-  }
+  const std::vector<float> xsum =
+      direct && zero_points ? group_sums(xs, rows, k, group) : std::vector<float>{};
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> panel(direct ? 0 : k * kTile);
     float sums[kDirectRows * kTile];

@@ -27,6 +27,7 @@
 #include <optional>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "tensor_args.h"
 #include "vec.h"
@@ -152,6 +153,22 @@ void expand_tile(float* dst, int64_t stride, const Q* q, const float* scales, co
 // vector waits on the FMA's latency at one or two rows; at three or more the rows interleave.
 template <int ROWS>
 constexpr int kPartialSums = ROWS == 1 ? 4 : ROWS == 2 ? 2 : 1;
+
+// Each row's sum of x over each group, [rows, groups] in fp32 (x of row stride k): the direct
+// blocks take a zero point as s * (sum x q - z * sum x).
+template <typename X>
+std::vector<float> group_sums(const X* xs, int64_t rows, int64_t k, int64_t group) {
+  const int64_t groups = k / group;
+  std::vector<float> sums(rows * groups);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.f;
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += ld(xs + r * k + i);
+      sums[r * groups + g] = sum;
+    }
+  }
+  return sums;
+}
 
 // body(std::integral_constant<int, count>) for 1 <= count <= ROWS: a block's row count as a
 // compile-time constant, so that its accumulators are registers.

@@ -273,13 +273,8 @@ void pairs_bf16_product(bf16* o, const bf16* xs, int64_t rows, int64_t k, int64_
                         const bf16* b) {
   const int64_t groups = k / group, tile_scales = groups * kTile;
   const int64_t tile_values = k / (kNibbles<Q> ? 2 : 1) * kTile;
-  std::vector<float> xsum;  // each row's sum over each group, for the zero points
-  if (z != nullptr) {
-    xsum.assign(rows * groups, 0.f);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t i = 0; i < k; ++i) xsum[r * groups + i / group] += ld(xs + r * k + i);
-    }
-  }
+  const std::vector<float> xsum =
+      z != nullptr ? group_sums(xs, rows, k, group) : std::vector<float>{};
   const __m512i table = nibble_bf16_table();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     float sums[kPairBlockRows * kTile];
