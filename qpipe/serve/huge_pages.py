@@ -7,7 +7,7 @@ get them. So the packed weights are copied into anonymous mappings advised `MADV
 before first touch. Measured on a Zen 4 (2 vCPUs), SmolLM2's 120 products per step with the
 weights from DRAM, alternating processes, 4 KiB pages -> 2 MiB: bf16 pair tiles at 1 / 8 rows
 6.7-6.8 / 7.8-8.0 -> 6.1-6.4 / 7.0-7.2 ms, W8A8 at 1 / 8 rows 4.4 / 5.5 -> 4.2 / 5.0, the fp32
-checkpoint's bf16 tiles for fp32 inputs at 1 row, LM head included, 10.6-11.7 -> 9.5-10.3 ms;
+checkpoint's fp32 tiles at 1 row, LM head included, 10.6-11.7 -> 9.5-10.3 ms;
 offline engine at c=32, fp32 227.7 / 231.1 -> 236.7 / 234.7 output tok/s; bf16 at c=8 307.9 /
 312.0 -> 337.9 / 322.9.
 """
