@@ -38,6 +38,7 @@ from qpipe.serve.config import EngineConfig
 from qpipe.serve.engine import LLMEngine
 from qpipe.serve.http_server import DrainingServer
 from qpipe.serve.metrics import ServerMetrics
+from qpipe.serve.prompt_encoder import PromptEncoder
 from qpipe.serve.sampling_params import SamplingParams
 
 API_KEY = "test-key"
@@ -221,6 +222,7 @@ def test_openai_client_completions_chat_and_streaming(tiny_server: RunningServer
 
     client = OpenAI(base_url=f"{tiny_server.url}/v1", api_key=API_KEY)
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
 
     prompt = "The quick brown fox jumps over the lazy dog and"
     full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
@@ -641,6 +643,77 @@ def test_tokenize_health_and_models(tiny_server: RunningServer) -> None:
     assert models["data"][0]["max_model_len"] == 256
 
 
+def test_model_lookup_method_errors_and_unexpected_failures(
+    tiny_server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unknown = httpx.get(f"{tiny_server.url}/v1/models/gpt-9", headers=AUTH)
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+    # a 405 says which methods the route takes
+    wrong_method = httpx.get(f"{tiny_server.url}/v1/chat/completions", headers=AUTH)
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["error"]["code"] == 405
+
+    def broken(*_: object, **__: object) -> list[int]:
+        raise RuntimeError("a bug in the tokenizer")
+
+    # a bug's 500 comes as an OpenAI error object too, and the server goes on
+    monkeypatch.setattr(PromptEncoder, "encode", broken)
+    response = httpx.post(f"{tiny_server.url}/tokenize", json={"prompt": "hi"}, headers=AUTH)
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "internal_error"
+    assert "a bug in the tokenizer" in response.json()["error"]["message"]
+    monkeypatch.undo()
+    assert httpx.get(f"{tiny_server.url}/health").status_code == 200
+
+
+def test_extreme_sampling_values_answer_and_leave_the_server_up(
+    tiny_server: RunningServer,
+) -> None:
+    """One request with a temperature or top_p that rounds to 0 in fp32 used to make the
+    batch's draw raise on the engine thread, which failed every other request."""
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 6}
+    url = f"{tiny_server.url}/v1/completions"
+    greedy = httpx.post(url, json={**body, "temperature": 0}, headers=AUTH).json()
+    for extreme in ({"temperature": 1e-50}, {"temperature": 1.0, "top_p": 1e-50, "seed": 1}):
+        response = httpx.post(url, json={**body, **extreme}, headers=AUTH)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == greedy["choices"][0]["text"], extreme
+    assert httpx.post(url, json={**body, "repetition_penalty": 1e-37}, headers=AUTH).is_success
+    assert httpx.get(f"{tiny_server.url}/health").status_code == 200
+
+
+def test_max_tokens_null_lets_each_prompt_fill_its_own_room(tiny_server: RunningServer) -> None:
+    """As in vLLM; the room used to be the longest prompt's for every prompt of the request."""
+    body = {"model": MODEL, "prompt": [[5] * 3, [5] * 40], "max_tokens": None, "ignore_eos": True}
+    response = httpx.post(
+        f"{tiny_server.url}/v1/completions", json=body, headers=AUTH, timeout=120
+    ).json()
+    assert [c["finish_reason"] for c in response["choices"]] == ["length", "length"]
+    assert response["usage"]["completion_tokens"] == (256 - 3) + (256 - 40)
+
+
+def test_a_dead_engine_takes_the_server_down(
+    tiny_llama_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's server exits when its engine dies, so that a supervisor restarts it; one that
+    stays up answers every request with a 503 until someone notices."""
+    running = start_server(tiny_llama_checkpoint)
+
+    def failing_step(*_: object) -> None:
+        raise RuntimeError("an injected step failure")
+
+    monkeypatch.setattr(running.engine, "execute", failing_step)
+    response = httpx.post(
+        f"{running.url}/v1/completions",
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+        headers=AUTH,
+    )
+    assert response.status_code == 500
+    assert "an injected step failure" in response.json()["error"]["message"]
+    running.thread.join(timeout=15)
+    assert not running.thread.is_alive(), "the server kept running without its engine"
+
+
 LONG_PROMPT = "word " * 300
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 BAD_INPUTS = [
@@ -736,7 +809,22 @@ BAD_INPUTS = [
     ("empty messages", "/v1/chat/completions", {"messages": []}, AUTH, 400, "messages"),
     ("bad role", "/v1/chat/completions", {"messages": [{"role": "x", "content": "hi"}]}, AUTH,
      400, "messages.0.role"),
+    ("NaN temperature", "/v1/completions", '{"prompt": "hi", "temperature": NaN}', AUTH, 400,
+     "temperature"),
+    ("infinite temperature", "/v1/completions", '{"prompt": "hi", "temperature": Infinity}', AUTH,
+     400, "temperature"),
+    ("repetition_penalty below fp32's range", "/v1/completions",
+     {"prompt": "hi", "repetition_penalty": 1e-300}, AUTH, 400, "repetition_penalty"),
+    ("lone surrogate in a prompt", "/v1/completions", '{"prompt": "\\ud800 x"}', AUTH, 400, None),
+    ("lone surrogate in a message", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "x\\udfff"}]}', AUTH, 400, None),
+    ("lone surrogate to tokenize", "/tokenize", '{"prompt": "\\ud800"}', AUTH, 400, None),
+    ("chat prompt too long", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": LONG_PROMPT}]}, AUTH, 400, "messages"),
     ("no api key", "/v1/completions", {"prompt": "hi"}, {}, 401, None),
+    ("no api key and a malformed body", "/v1/completions", '{"prompt": ', {}, 401, None),
+    ("non-ASCII api key", "/v1/completions", {"prompt": "hi"},
+     {"Authorization": "Bearer secr\u00e9".encode()}, 401, None),
     ("wrong api key", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
      {"Authorization": "Bearer nope"}, 401, None),
 ]  # fmt: skip

@@ -137,6 +137,13 @@ def test_greedy_follows_the_bias_and_logprobs_stay_those_of_the_model() -> None:
         ({"logit_bias": ((-1, 1.0),)}, "logit_bias maps"),
         ({"min_p": 1.5}, "min_p must be in"),
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens must be in"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"temperature": float("inf")}, "temperature must be a finite number"),
+        ({"top_p": float("nan")}, "top_p must be in"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty must be > 0"),
+        ({"repetition_penalty": 1e-44}, "repetition_penalty must be > 0"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty must be > 0"),
+        ({"presence_penalty": float("nan")}, "presence_penalty must be in"),
     ],
 )
 def test_out_of_range_penalties_and_bias_are_refused(kwargs: dict, message: str) -> None:
@@ -170,3 +177,25 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
     histories = [([1], [4]), ([1], [4]), ([1], [4, 4]), ([1], [])]
     tokens, _ = sample(logits, seqs_for(rows, histories=histories), frozenset({3}))
     assert tokens == [5, 3, 3, 3]
+
+
+def test_extreme_but_valid_parameters_never_fail_the_draw() -> None:
+    """A temperature or top_p that rounds to 0 in fp32, and a repetition penalty that pushes a
+    logit past fp32's range, once made the batch's multinomial raise on the engine thread (NaN
+    probabilities), which took the server down for every client."""
+    logits = logits_batch(4)
+    best = logits.argmax(-1).tolist()
+    seen = torch.tensor([best[2]])  # row 2's best token, seen in its prompt
+    params = [
+        SamplingParams(temperature=1e-50),  # below vLLM's greedy threshold: greedy
+        SamplingParams(temperature=1.0, top_p=1e-50, seed=3),  # keeps only the best token
+        SamplingParams(temperature=1.0, repetition_penalty=2e-38, seed=4),  # 1/2e-38 overflows
+        SamplingParams(temperature=1e-4),  # a sharp but finite distribution
+    ]
+    assert params[0].greedy and not params[3].greedy
+    generators = [None, *(torch.Generator().manual_seed(i) for i in (3, 4)), None]
+    histories = [([1], []), ([1], []), (seen.tolist(), []), ([1], [])]
+    for _ in range(3):
+        tokens, _ = sample(logits, seqs_for(params, generators, histories), NO_EOS)
+        # row 2: the seen token's positive logit became the largest finite float, so it wins
+        assert tokens == [best[0], best[1], best[2], best[3]]

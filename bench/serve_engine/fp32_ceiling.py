@@ -74,7 +74,7 @@ int main() {
 
 
 def fma_peak_gflops(threads: int) -> float:
-    """fp32 multiply-adds per second on `threads` threads, best of 5 runs of ~0.2 s each (AVX-512)."""
+    """fp32 multiply-adds per second on `threads` threads, best of 5 runs (~0.2 s each)."""
     compiler = shutil.which("g++")
     if compiler is None:
         raise SystemExit("g++ not found: the FMA probe is compiled for this CPU (-march=native)")

@@ -12,12 +12,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from qpipe.serve.api_errors import APIError
+from qpipe.serve.api_errors import APIError, as_api_error
 from qpipe.serve.async_engine import AsyncLLMEngine
 from qpipe.serve.metrics import CONTENT_TYPE
 from qpipe.serve.openai_protocol import (
@@ -37,6 +38,7 @@ from qpipe.serve.serving_engine import ServingSettings
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_ECHOED = 80  # characters of a rejected value quoted back in a validation error
+KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # /health and /metrics stay open to probes
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,40 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{where}{reasons} (got {got})", param
 
 
+class ApiKeyMiddleware:
+    """`--api-key`, checked before anything reads the request: FastAPI parses a body before a
+    route's dependencies run, so a check there answered a keyless request with a malformed body
+    400, not 401. The key is compared as bytes: `secrets.compare_digest` refuses str with
+    non-ASCII characters, which turned such a header into a 500."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["path"].startswith(KEYED_PATHS)
+            and not self._authorized(scope)
+        ):
+            error = APIError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
+                "server was started with (--api-key)",
+                error_type="authentication_error",
+            )
+            await _error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and secrets.compare_digest(token, self.api_key)
+        return False
+
+
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     serving_settings = ServingSettings(
         served_model_name=settings.served_model_name,
@@ -103,21 +139,18 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return _error_response(APIError(exc.status_code, str(exc.detail), error_type="http_error"))
+        # with its headers: a 405 must say which methods the route takes (`Allow`)
+        error = APIError(exc.status_code, str(exc.detail), error_type="http_error")
+        error.headers = dict(exc.headers or {})
+        return _error_response(error)
 
-    def check_api_key(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token, settings.api_key):
-            raise APIError(
-                401,
-                "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
-                "server was started with (--api-key)",
-                error_type="authentication_error",
-            )
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        # a bug's 500 in OpenAI's shape too, not starlette's plain text (the traceback is logged)
+        return _error_response(as_api_error(exc))
 
-    authed = [Depends(check_api_key)]
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
 
     def disconnect_watcher(request: Request):  # noqa: ANN202 - a coroutine factory
         async def disconnected() -> None:
@@ -131,24 +164,33 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
             return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
         return JSONResponse(result.model_dump())  # type: ignore[attr-defined]
 
-    @app.post("/v1/completions", dependencies=authed)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return respond(await completion.create(body, disconnect_watcher(request)))
 
-    @app.post("/v1/chat/completions", dependencies=authed)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return respond(await chat.create(body, disconnect_watcher(request)))
 
-    @app.get("/v1/models", dependencies=authed)
+    card = ModelCard(
+        id=settings.served_model_name, root=settings.model_path, max_model_len=chat.max_model_len
+    )
+
+    @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(
-            id=settings.served_model_name,
-            root=settings.model_path,
-            max_model_len=chat.max_model_len,
-        )
         return ModelList(data=[card])
 
-    @app.post("/tokenize", dependencies=authed)
+    @app.get("/v1/models/{model:path}")  # the openai client's models.retrieve; ids may hold '/'
+    async def model(model: str) -> ModelCard:
+        if model != card.id:
+            raise APIError(
+                404,
+                f"model {model!r} is not served here; this server serves {card.id!r}",
+                param="model",
+            )
+        return card
+
+    @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         chat.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -161,7 +203,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
             ids = await encoder.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=chat.max_model_len)
 
-    @app.post("/detokenize", dependencies=authed)
+    @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         chat.check_model(body.model)
         chat.check_token_ids(body.tokens, "tokens")

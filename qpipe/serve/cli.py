@@ -140,3 +140,6 @@ def serve(
     server.run()
     if not server.started:  # the port was taken, say: uvicorn logged why
         raise typer.Exit(3)
+    if async_engine.error is not None:  # the engine died and took the server down with it
+        console.print(f"[red]error:[/] the engine failed: {async_engine.error}")
+        raise typer.Exit(1)

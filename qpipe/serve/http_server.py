@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 
 import uvicorn
 
 from qpipe.serve.async_engine import AsyncLLMEngine
+
+log = logging.getLogger(__name__)
 
 
 class DrainingServer(uvicorn.Server):
@@ -24,3 +27,13 @@ class DrainingServer(uvicorn.Server):
         timeout = self.config.timeout_graceful_shutdown
         self.engine.begin_drain(math.inf if timeout is None else timeout)
         await super().shutdown(sockets)
+
+    async def on_tick(self, counter: int) -> bool:
+        """Also ends the server when the engine thread has died. Its requests already have their
+        error; a process that answers every later one with a 503 waits for someone to notice,
+        where an exit lets a supervisor (systemd, Kubernetes) restart it at once, as vLLM's
+        server does when its engine dies."""
+        if self.engine.error is not None and not self.should_exit:
+            log.error("the engine failed (%s): shutting the server down", self.engine.error)
+            self.should_exit = True
+        return await super().on_tick(counter)

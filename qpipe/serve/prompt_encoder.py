@@ -18,6 +18,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+from qpipe.serve.api_errors import APIError
 from qpipe.serve.tokenizer import backend_of
 
 
@@ -46,7 +47,9 @@ class PromptEncoder:
         self._draining = False
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """The same ids as the tokenizer's own `encode(text, add_special_tokens)`."""
+        """The same ids as the tokenizer's own `encode(text, add_special_tokens)`. Text that is
+        not Unicode is the client's error (400), not the tokenizer's TypeError (a 500)."""
+        check_unicode(text)
         if self._worker is None:
             return self._encode_all([text], add_special_tokens)[0]
         future: _Future = asyncio.get_running_loop().create_future()
@@ -97,6 +100,19 @@ class PromptEncoder:
             return self._encode_all([text], add_special_tokens)[0]
         except Exception as exc:  # noqa: BLE001 - handed to the request that sent it
             return exc
+
+
+def check_unicode(text: str) -> None:
+    """JSON's \\u escapes can carry a lone UTF-16 surrogate (`"\\ud800"`), which Python keeps in a
+    str but which is not a character: no tokenizer encodes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(
+            400,
+            f"the text holds a lone UTF-16 surrogate ({text[exc.start]!r} at character "
+            f"{exc.start}), which is not a Unicode character: send well-formed text",
+        ) from None
 
 
 def _settle(results: list[tuple[_Future, list[int] | Exception]]) -> None:

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
+
+# Temperatures below this sample greedily, as in vLLM: dividing fp32 logits by a smaller one
+# overflows them (1e-50 is 0 in fp32), and the distribution is a point mass long before that.
+GREEDY_BELOW = 1e-5
+FLOAT32_TINY, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38  # normal range
 
 
 @dataclass(frozen=True)
@@ -43,8 +49,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # written so that NaN fails it too
+            raise ValueError(
+                f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature}"
+            )
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
@@ -69,10 +79,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {value}")
-        if not self.repetition_penalty > 0:
+        if not FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX:
             raise ValueError(
-                f"SamplingParams.repetition_penalty must be > 0 (1 is off), "
-                f"got {self.repetition_penalty}"
+                f"SamplingParams.repetition_penalty must be > 0 (1 is off) and a normal fp32 "
+                f"number, which the logits are divided or multiplied by; got "
+                f"{self.repetition_penalty}"
             )
         bias = tuple((int(token), float(value)) for token, value in self.logit_bias)
         for token, value in bias:

@@ -67,6 +67,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(
             body, max_tokens, len(prompt), logprobs, field,
             structured_output=None if forced is None else forced.structured_output(),
+            prompt_field="messages",
         )  # fmt: skip
         return prompt, params, forced
 
@@ -95,7 +96,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse | AsyncIterator[bytes]:
         prompt, params, forced = await self._prepare(body)
         await self.compile_structured_output(body, params)
-        streams = self.start([prompt], params, body.stop_strings(), body.n)
+        streams = self.start([prompt], [params], body.stop_strings(), body.n)
         if body.stream:
             return self._stream(body, streams, len(prompt), forced)
         results = await self.collect(streams, disconnected)

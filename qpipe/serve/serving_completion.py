@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from qpipe.serve.api_errors import APIError, as_api_error
 from qpipe.serve.async_engine import RequestStream
@@ -99,7 +100,13 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts, params = await self._prepare(body)
         await self.compile_structured_output(body, params)
         n = body.n
-        streams = self.start(prompts, params, body.stop_strings(), n)
+        # without max_tokens each prompt may fill its own room, as in vLLM (validated above on
+        # the longest, whose room is the smallest)
+        per_prompt = [
+            params if body.max_tokens is not None else replace(params, max_tokens=room)
+            for room in (self.max_model_len - len(p) for p in prompts)
+        ]
+        streams = self.start(prompts, per_prompt, body.stop_strings(), n)
         echoes = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
         if body.stream:
             return self._stream(body, streams, prompts, echoes)

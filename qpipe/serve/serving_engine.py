@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -222,16 +222,18 @@ class OpenAIServing:
         max_tokens_field: str = "max_tokens",
         prompt_logprobs: int | None = None,
         structured_output: StructuredOutput | None = None,
+        prompt_field: str = "prompt",
     ) -> SamplingParams:
-        """`max_tokens_field` names the request field the limit came from, for the error;
-        `structured_output` stands for the request's own (a forced tool call's)."""
+        """`max_tokens_field` and `prompt_field` name the request fields the limit and the prompt
+        came from, for the errors; `structured_output` stands for the request's own (a forced tool
+        call's)."""
         room = self.max_model_len - prompt_len
         if prompt_len >= self.max_model_len:
             raise APIError(
                 400,
                 f"the prompt has {prompt_len} tokens but this model's maximum context length is "
                 f"{self.max_model_len} tokens (--max-model-len); shorten the prompt",
-                param="prompt",
+                param=prompt_field,
             )
         if max_tokens is not None and max_tokens <= 0:
             raise APIError(
@@ -327,11 +329,15 @@ class OpenAIServing:
             raise APIError(400, str(exc), param=sources[0] if sources else "tools") from exc
 
     def start(
-        self, prompts: list[list[int]], params: SamplingParams, stop: list[str], n: int = 1
+        self,
+        prompts: list[list[int]],
+        params: Sequence[SamplingParams],
+        stop: list[str],
+        n: int = 1,
     ) -> list[RequestStream]:
-        """One engine request per choice: `n` per prompt, prompt-major, as OpenAI numbers the
-        choices. With a seed, choice j draws with seed + j (as vLLM does), so the n choices
-        differ and each one can be repeated alone."""
+        """One engine request per choice: `n` per prompt (`params[i]` for prompt i),
+        prompt-major, as OpenAI numbers the choices. With a seed, choice j draws with seed + j (as
+        vLLM does), so the n choices differ and each one can be repeated alone."""
         needed, limit = len(prompts) * n, self.engine.max_queue
         if limit is not None and needed > limit:
             raise APIError(
@@ -343,11 +349,11 @@ class OpenAIServing:
         base = uuid.uuid4().hex
         streams: list[RequestStream] = []
         try:
-            for i, ids in enumerate(prompts):
+            for i, (ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
                 for j in range(n):
-                    choice = params
-                    if params.seed is not None:
-                        choice = replace(params, seed=params.seed + j)
+                    choice = prompt_params
+                    if prompt_params.seed is not None:
+                        choice = replace(prompt_params, seed=prompt_params.seed + j)
                     request_id = f"{base}-{i * n + j}"
                     streams.append(self.engine.add_request(request_id, ids, choice, stop))
         except QueueFullError as exc:

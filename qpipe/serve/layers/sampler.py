@@ -76,8 +76,11 @@ def token_logprobs(
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's sampling distribution. Every row keeps at least its most likely token, and a
+    logit that a repetition penalty pushed past fp32's range is the largest finite one instead of
+    inf, which would turn the softmax into NaN: valid parameters never fail the batch's draw."""
     temps = torch.tensor([p.temperature for p in params], device=logits.device)
-    logits = logits / temps.unsqueeze(1)
+    logits = (logits / temps.unsqueeze(1)).clamp_(max=torch.finfo(logits.dtype).max)
     if any(p.min_p > 0 for p in params):  # on the tempered distribution, before top-k/top-p
         probs = logits.softmax(dim=-1)
         min_p = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)
@@ -90,8 +93,10 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         drop = ranks >= top_k.to(logits.device).unsqueeze(1)
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         top_p = torch.tensor([p.top_p for p in params], device=logits.device).unsqueeze(1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        # Keep the smallest prefix whose mass reaches top_p, and the first token whatever it
+        # is (a top_p that rounds to 0 in fp32 would otherwise drop every token).
         drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     return logits.softmax(dim=-1)
