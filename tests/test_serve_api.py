@@ -666,6 +666,25 @@ def test_model_lookup_method_errors_and_unexpected_failures(
     assert httpx.get(f"{tiny_server.url}/health").status_code == 200
 
 
+def test_a_chat_template_that_refuses_the_messages_is_a_400(
+    tiny_server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Templates raise on histories they do not take (Mistral's and Llama 2's: roles must
+    alternate); that is the client's error, not a 500."""
+    refusing = (
+        "{% if messages[0].role == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+    )
+    monkeypatch.setattr(tiny_server.engine.tokenizer, "chat_template", refusing)
+    response = httpx.post(
+        f"{tiny_server.url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "system", "content": "be brief"}]},
+        headers=AUTH,
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "no system role" in error["message"]
+
+
 def test_extreme_sampling_values_answer_and_leave_the_server_up(
     tiny_server: RunningServer,
 ) -> None:

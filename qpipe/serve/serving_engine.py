@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import jinja2
+
 from qpipe.serve.api_errors import APIError, as_api_error
 from qpipe.serve.async_engine import (
     KEEP_ALIVE,
@@ -300,13 +302,18 @@ class OpenAIServing:
                 f"{messages[-1].role!r}",
                 param="continue_final_message",
             )
-        text = self.tokenizer.apply_chat_template(
-            [m.for_template() for m in messages],
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=False,
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [m.for_template() for m in messages],
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+            )
+        except jinja2.TemplateError as exc:  # a template's raise_exception: roles must alternate
+            raise APIError(
+                400, f"the checkpoint's chat template refused the messages: {exc}", param="messages"
+            ) from exc
         return await self.encoder.encode(text, add_special_tokens=False)
 
     # ---- generation -----------------------------------------------------------------------------
