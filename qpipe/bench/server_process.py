@@ -20,6 +20,8 @@ from typing import Self
 
 import httpx
 
+from qpipe.serve.parent_watch import PARENT_ENV
+
 HEALTH_POLL_S = 0.5
 STOP_GRACE_S = 30.0
 
@@ -168,8 +170,10 @@ class BuiltinServer(ServerProcess):
             sys.executable, "-m", "qpipe", "serve", str(model_dir),
             "--host", "127.0.0.1", "--port", str(port), *server_flags(dict(args or {})),
         ]  # fmt: skip
+        # it also ends if this process is killed outright (a CI job's SIGKILL): parent_watch.py
+        env = {PARENT_ENV: str(os.getpid())}
         super().__init__(
-            "the server", command, port, log_path, None, startup_timeout_s, own_session=False
+            "the server", command, port, log_path, env, startup_timeout_s, own_session=False
         )
 
 

@@ -97,7 +97,11 @@ def serve(
     from qpipe.serve.engine import LLMEngine
     from qpipe.serve.http_server import DrainingServer
     from qpipe.serve.metrics import ServerMetrics
+    from qpipe.serve.parent_watch import exit_with_parent
 
+    if not exit_with_parent():
+        console.print("[red]error:[/] the process that started this server has exited")
+        raise typer.Exit(1)
     path = resolve_model_path(model, store)
     name = served_model_name or (model if path.name == "qpipe" else path.name)
     # the engine logs its KV-cache size (blocks, max concurrency at max_model_len) at INFO
