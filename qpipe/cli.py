@@ -62,8 +62,9 @@ def _load(path: Path) -> Recipe:
 def _open_store(
     location: str | None, recipe: Recipe | None = None, recipe_dir: Path | None = None
 ) -> Any:
+    from qpipe.stages.base import recipe_path
     from qpipe.store.base import StoreError
-    from qpipe.store.factory import open_store
+    from qpipe.store.factory import check_location, open_store
 
     config = recipe.store if recipe is not None else None
     try:
@@ -72,10 +73,14 @@ def _open_store(
                 config.endpoint_url if config and (location or "").startswith("s3://") else None
             )
             return open_store(location, endpoint_url=endpoint)
-        local_cache = config.local_cache
-        if local_cache is not None and recipe_dir is not None:
-            local_cache = str(recipe_dir / Path(local_cache).expanduser())
-        return open_store(config.location, config.endpoint_url, local_cache)
+        location, local_cache = config.location, config.local_cache
+        if recipe_dir is not None:  # a recipe's paths are relative to the recipe file
+            if location is not None and not location.startswith("s3://"):
+                check_location(location)  # before `gs://b` becomes a path under the recipe's dir
+                location = str(recipe_path(location, recipe_dir))
+            if local_cache is not None:
+                local_cache = str(recipe_path(local_cache, recipe_dir))
+        return open_store(location, config.endpoint_url, local_cache)
     except StoreError as exc:
         raise error(str(exc)) from exc
 
@@ -205,6 +210,8 @@ def run(
     _check_stage_name(until)
     for name in force or ():
         _check_stage_name(name)
+    if manifest_path is not None:
+        _check_manifest_path(manifest_path)
     _check_model_fit(recipe, loaded, pipeline, "quantize" in (force or ()))
     # SIGTERM (`kill PID`, a CI job or container being stopped) unwinds like Ctrl-C: the running
     # stage removes its temp dir and the bench stage stops its server, instead of leaving it
@@ -225,14 +232,36 @@ def run(
     pipeline.store.write_document(name, data)
     pipeline.store.write_document(f"runs/{loaded.name}/latest.json", data)
     if manifest_path is not None:
-        manifest_path.parent.mkdir(parents=True, exist_ok=True)
-        manifest_path.write_bytes(data)
+        try:
+            manifest_path.parent.mkdir(parents=True, exist_ok=True)
+            manifest_path.write_bytes(data)
+        except OSError as exc:
+            raise error(
+                f"--manifest {manifest_path}: cannot write it ({exc.strerror}); the run's "
+                f"manifest is in the store: {pipeline.store.location}/docs/{name}"
+            ) from exc
     if as_json:
         out.print_json(json.dumps({**record, "manifest": name}))
     else:
         out.print(_table(planned, f"run: {recipe}  (store: {pipeline.store.location})"))
         console.print(f"manifest: {pipeline.store.location}/docs/{name}", highlight=False)
     _exit_for(planned, loaded.publish is not None and loaded.publish.allow_failed_gates)
+
+
+def _check_manifest_path(path: Path) -> None:
+    """The manifest is written after the last stage: a path that cannot take a file is refused
+    before the stages spend minutes, not after."""
+    if path.is_dir():
+        raise error(
+            f"--manifest {path} is a directory; name a file, e.g. {path / 'manifest.json'}", code=2
+        )
+    existing = next(parent for parent in path.parents if parent.exists())
+    if not existing.is_dir():
+        raise error(
+            f"--manifest {path}: {existing} is a file, not a directory; name a path under a "
+            "directory",
+            code=2,
+        )
 
 
 def _exit_for(planned: list[PlannedStage], gates_allowed: bool) -> None:
@@ -305,23 +334,33 @@ def recipe_validate(files: list[Path]) -> None:
 
 
 def _model_problem(recipe: Recipe, recipe_path: Path) -> str | None:
-    """The recipe checked against the model's shape when the model is here (group size, ...),
-    as `file:line problem`."""
+    """The recipe checked against the model's shape when the model is here (group size,
+    calibration window), as `file:line problem`."""
+    from qpipe.calibration.seq_len import SeqLenError, check_seq_len
     from qpipe.convert import SourceError, resolve_source, source_config
     from qpipe.quant.group_size import GroupSizeError, check_group_size, weight_group
 
-    if weight_group(recipe.quantization) is None:
-        return None  # nothing to check, and reading a GGUF header takes seconds
+    grouped = weight_group(recipe.quantization) is not None
+    if not grouped and recipe.calibration is None:
+        return None  # nothing to check
     try:
         source = resolve_source(
             recipe.model.source, recipe.model.allow_pickle, recipe_path.resolve().parent
         )
     except SourceError:
         return None  # the model lives elsewhere (e.g. a GPU box's HF cache): checked at run time
+    if not grouped and source.kind == "gguf":
+        return None  # reading a GGUF header takes seconds: the calibrate stage checks the window
+    config = source_config(source)
     try:
-        check_group_size(source_config(source), recipe.quantization)
+        check_group_size(config, recipe.quantization)
     except GroupSizeError as exc:
         return f"{locate(recipe_path, ('quantization', 'group_size'))} {exc}"
+    if recipe.calibration is not None:
+        try:
+            check_seq_len(recipe.calibration.seq_len, config)
+        except SeqLenError as exc:
+            return f"{locate(recipe_path, ('calibration', 'seq_len'))} calibration.seq_len: {exc}"
     return None
 
 
@@ -419,7 +458,7 @@ def cache_push(
     store: StoreOption = None,
 ) -> None:
     """Copy entries (default: all) and their aliases from the store to another, verified."""
-    _transfer(_open_store(store), _open_store(to or None), refs or [])
+    _transfer(store, to or None, refs or [])
 
 
 @cache_app.command("pull")
@@ -429,13 +468,21 @@ def cache_pull(
     store: StoreOption = None,
 ) -> None:
     """Copy entries (default: all) and their aliases from another store into this one, verified."""
-    _transfer(_open_store(source or None), _open_store(store), refs or [])
+    _transfer(source or None, store, refs or [])
 
 
-def _transfer(source: Any, target: Any, refs: list[str]) -> None:
+def _transfer(source_location: str | None, target_location: str | None, refs: list[str]) -> None:
+    """The source is opened first and never created: a mistyped source path is an error, not a
+    new empty store that copies nothing (the target may be new)."""
     from qpipe.store.base import StoreError
+    from qpipe.store.factory import open_store
     from qpipe.store.transfer import copy_entries
 
+    try:
+        source = open_store(source_location, create=False)
+    except StoreError as exc:
+        raise error(str(exc)) from exc
+    target = _open_store(target_location)
     if source.location == target.location:
         raise error("source and target are the same store; name the other one with --to/--from")
     try:
@@ -486,16 +533,18 @@ def fit(
     gpu: Annotated[
         str, typer.Option(help="A100-40G, A100-80G, H100, H200, L40S, A10, L4, RTX4090, or GiB.")
     ] = "H100",  # fmt: skip
-    tp: Annotated[int, typer.Option(help="Tensor-parallel GPUs.")] = 1,
+    tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel GPUs.")] = 1,
     quant: Annotated[str | None, typer.Option(help="fp32|bf16|fp16|int8|fp8|int4.")] = None,
     kv_dtype: Annotated[
         str | None,
         typer.Option(help="KV cache dtype: bf16|fp16|fp8|int8 (default: the recipe's, or bf16)."),
     ] = None,
-    group_size: Annotated[int | None, typer.Option(help="int4 group size.")] = None,
-    max_model_len: Annotated[int, typer.Option(help="Context length per sequence.")] = 8192,
-    concurrency: Annotated[int, typer.Option(help="Sequences served at once.")] = 1,
-    overhead_gib: Annotated[float, typer.Option(help="Framework overhead per GPU.")] = 3.0,
+    group_size: Annotated[int | None, typer.Option(min=1, help="int4 group size.")] = None,
+    max_model_len: Annotated[int, typer.Option(min=1, help="Context length per sequence.")] = 8192,
+    concurrency: Annotated[int, typer.Option(min=1, help="Sequences served at once.")] = 1,
+    overhead_gib: Annotated[
+        float, typer.Option(min=0.0, help="Framework overhead per GPU (GiB).")
+    ] = 3.0,
     store: StoreOption = None,
     as_json: JsonOption = False,
 ) -> None:

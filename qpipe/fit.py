@@ -96,6 +96,17 @@ class FitRequest:
     concurrency: int = 1
     overhead_gib: float = 3.0
 
+    def __post_init__(self) -> None:
+        """Zero, negative or infinite sizes would divide by zero or give a verdict that means
+        nothing, so they are refused here, naming the value, for every caller."""
+        if not (math.isfinite(self.gpu_gib) and self.gpu_gib > 0):
+            raise FitError(f"GPU memory must be a positive number of GiB, got {self.gpu_gib}")
+        for name in ("tp", "group_size", "max_model_len", "concurrency"):
+            if getattr(self, name) < 1:
+                raise FitError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.overhead_gib) and self.overhead_gib >= 0):
+            raise FitError(f"overhead_gib must be a finite number >= 0, got {self.overhead_gib}")
+
 
 @dataclass(frozen=True)
 class FitReport:
@@ -138,7 +149,7 @@ def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, tp: int = 1) -> int:
 
 def fit(request: FitRequest) -> FitReport:
     shape = request.shape
-    if request.tp < 1 or shape.num_heads % request.tp:
+    if shape.num_heads % request.tp:
         raise FitError(f"tp={request.tp} must divide the {shape.num_heads} attention heads")
     weights = weight_bytes(shape, request.quant, request.group_size) / request.tp
     per_token = kv_bytes_per_token(shape, request.kv_dtype, request.tp)
@@ -174,11 +185,14 @@ def gpu_memory(gpu: str) -> tuple[str, float]:
             return name, mib / 1024
     number = normalized.removesuffix("GIB").removesuffix("G")
     try:
-        return f"{float(number):g} GiB", float(number)
+        gib = float(number)
     except ValueError:
         raise FitError(
             f"unknown GPU {gpu!r}; use one of {', '.join(GPUS_MIB)} or a size in GiB"
         ) from None
+    if not (math.isfinite(gib) and gib > 0):
+        raise FitError(f"GPU size {gpu!r} must be a positive number of GiB, e.g. 24 or 80GiB")
+    return f"{gib:g} GiB", gib
 
 
 def load_shape(path: Path) -> ModelShape:

@@ -182,7 +182,8 @@ class Pipeline:
         """Run every stage that is not in the store, in order; return the final table.
 
         A stage that cannot run (not available, bad input) ends the run with status "failed" and
-        its reason; stages after it are left as planned.
+        its reason; stages after it are left as planned. A forced stage's cached entry is replaced
+        only once its rebuild is committed: a failed or interrupted one leaves it as it was.
         """
         planned = self.plan(until)
         active = [p for p in planned if p.status != "disabled"]
@@ -197,8 +198,6 @@ class Pipeline:
                 continue
             stage = self.loader(p.name)
             assert stage is not None and p.key is not None
-            if p.status == "hit":  # forced: replace the cached entry
-                self.store.remove(p.key)
             if p.status == "corrupt":
                 self.store.quarantine(p.key, p.reason)
             on_event(p, "start")
@@ -263,6 +262,8 @@ class Pipeline:
         inputs: dict[str, Path],
         keys: dict[str, str],
     ) -> EntryMeta:
+        """Run one stage into a temp dir and commit it; a forced stage (planned as a hit)
+        replaces its cached entry."""
         assert planned.key is not None
         with self.store.writer(planned.key, stage.name) as out_dir:
             ctx = StageContext(
@@ -281,8 +282,15 @@ class Pipeline:
                     "failures": list(result.gate.failures),
                     "checked": dict(result.gate.checked),
                 }
+            forced = planned.status == "hit"
             meta = self.store.commit(
-                planned.key, stage.name, out_dir, dict(result.metrics), gate, planned.key_inputs
+                planned.key,
+                stage.name,
+                out_dir,
+                dict(result.metrics),
+                gate,
+                planned.key_inputs,
+                forced,
             )
         for alias, info in result.aliases.items():
             self.store.set_alias(alias, planned.key, {"stage": stage.name, **info})

@@ -15,7 +15,8 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from qpipe.bench.config import BenchConfig
-from qpipe.config_base import Section
+from qpipe.calibration.seq_len import SeqLenError, check_seq_len
+from qpipe.config_base import Section, field_error
 from qpipe.evaluate.config import EvaluateConfig
 from qpipe.export.config import BuildConfig
 from qpipe.quant.config import CalibrationConfig, QuantizationConfig
@@ -78,6 +79,18 @@ class Recipe(Section):
                 f"quantization {self.quantization.label} needs a calibration section "
                 "(calibration.dataset: your domain data)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _seq_len_any_model_reads(self) -> Recipe:
+        """The bound that holds whatever the model; `qpipe recipe validate` and the calibrate
+        stage also check it against the model's own context."""
+        if self.calibration is not None:
+            try:
+                check_seq_len(self.calibration.seq_len)
+            except SeqLenError as exc:
+                loc = ("calibration", "seq_len")
+                raise field_error(Recipe, loc, self.calibration.seq_len, str(exc)) from exc
         return self
 
     @property

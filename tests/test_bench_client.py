@@ -281,3 +281,16 @@ def _cv(values: list[float]) -> float:
     mean = sum(values) / len(values)
     var = sum((v - mean) ** 2 for v in values) / len(values)
     return var**0.5 / mean
+
+
+def test_cli_names_a_tokenizer_path_that_holds_no_tokenizer(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    for path, expected in (
+        (tmp_path / "nope", "not a directory"),
+        (tmp_path / "empty", "no tokenizer could be loaded from it"),
+    ):
+        args = ["--endpoint", "http://127.0.0.1:9", "--model", "m", "--tokenizer", str(path)]
+        result = CliRunner().invoke(bench_app, [*args, "--store", str(tmp_path / "store")])
+        assert result.exit_code == 2, result.output
+        assert f"tokenizer {path}: {expected}" in result.output
+        assert "--tokenizer DIR" in result.output

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from qpipe import cli
 from qpipe.cli import app
-from qpipe.store.base import DanglingAlias
+from qpipe.store.base import DanglingAlias, MalformedAlias, StoreError
+from qpipe.store.factory import open_store
 from qpipe.store.local import LocalStore
 
 
@@ -103,3 +104,74 @@ def test_a_dangling_alias_says_which_entry_is_gone_and_how_to_fix_it(tmp_path: P
     gc = runner.invoke(app, ["cache", "gc", "--store", str(store.root)])
     assert gc.exit_code == 0 and "removed aliases/tiny-cpu-int8-tp1" in " ".join(gc.output.split())
     assert store.aliases() == {}
+
+
+@pytest.mark.parametrize(
+    ("location", "says"),
+    [
+        ("ftp://x/y", "the scheme ftp: is not supported"),
+        ("gs://b/p", "the scheme gs: is not supported"),
+        ("S3://bucket/p", "did you mean s3://bucket/p?"),
+        ("s3:/bucket/p", "did you mean s3://bucket/p?"),
+    ],
+)
+def test_an_unknown_or_mistyped_scheme_is_an_error_not_a_directory(
+    location: str, says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StoreError, match="a local directory or s3://bucket/prefix"):
+        open_store(location)
+    listed = CliRunner().invoke(app, ["cache", "ls", "--store", location])
+    assert listed.exit_code == 1 and says in " ".join(listed.output.split())
+    assert list(tmp_path.iterdir()) == []
+    assert isinstance(open_store("./a:b"), LocalStore)  # a colon in a directory name still works
+
+
+def test_copying_from_a_store_that_does_not_exist_is_an_error(tmp_path: Path) -> None:
+    runner = CliRunner()
+    target = str(tmp_path / "target")
+    for source, problem in [("missing", "does not exist"), ("plain", "is not a store")]:
+        (tmp_path / "plain").mkdir(exist_ok=True)
+        pulled = runner.invoke(
+            app, ["cache", "pull", "--from", str(tmp_path / source), "--store", target]
+        )
+        message = " ".join(pulled.output.split())
+        assert pulled.exit_code == 1 and f"no store at {tmp_path / source}" in message, message
+        assert problem in message and "entries copied" not in message
+    pushed = runner.invoke(
+        app, ["cache", "push", "--store", str(tmp_path / "gone"), "--to", target]
+    )
+    assert pushed.exit_code == 1 and "does not exist" in " ".join(pushed.output.split())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]  # nothing created
+
+
+def test_an_unreadable_alias_record_is_skipped_with_a_warning_and_removed_by_gc(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = LocalStore(tmp_path / "store")
+    key = _entry(store, "cd" * 32, b"w")
+    store.set_alias("tiny-cpu-int8-tp1", key, {"stage": "build"})
+    (store.root / "aliases" / "broken.json").write_text("{not json")
+    (store.root / "aliases" / "keyless.json").write_text("[]")
+    runner = CliRunner()
+
+    listed = runner.invoke(app, ["cache", "ls", "--json", "--store", str(store.root)])
+    assert listed.exit_code == 0, listed.output
+    assert list(json.loads(listed.stdout)["aliases"]) == ["tiny-cpu-int8-tp1"]
+    warned = caplog.text
+    assert f"{store.root}/aliases/broken.json is unreadable (not JSON" in warned
+    assert f'{store.root}/aliases/keyless.json is unreadable (not a JSON object with a "key")' in (
+        warned
+    )
+    with pytest.raises(MalformedAlias, match="broken.json is unreadable.*qpipe cache gc"):
+        store.resolve_alias("broken")
+
+    target = str(tmp_path / "target")
+    pushed = runner.invoke(app, ["cache", "push", "--store", str(store.root), "--to", target])
+    assert pushed.exit_code == 0 and "1 aliases set" in " ".join(pushed.output.split())
+
+    gc = runner.invoke(app, ["cache", "gc", "--store", str(store.root)])
+    output = " ".join(gc.output.split())
+    assert gc.exit_code == 0 and "removed aliases/broken (unreadable record)" in output
+    assert "removed aliases/keyless (unreadable record)" in output
+    assert sorted(p.name for p in (store.root / "aliases").iterdir()) == ["tiny-cpu-int8-tp1.json"]

@@ -69,6 +69,25 @@ def test_stage_writes_the_contract_files_with_consistent_stats(
     assert result.metrics["tokens"] == stats["tokens"]["in_rows"]
 
 
+def test_a_window_past_the_model_context_fails_before_any_is_built(
+    tiny_llama_checkpoint: Path, tmp_path: Path
+) -> None:
+    """The tiny model reads 2048 positions: seq_len 4096 is refused with that limit, before a
+    MemoryError or a window the model cannot read."""
+    text = recipe_text(tiny_llama_checkpoint, str(SHIPPED / "chat-example.jsonl"))
+    text = text.replace("num_samples: 24", "num_samples: 12").replace(
+        "seq_len: 128", "seq_len: 4096"
+    )
+    recipe = parse_recipe(text)
+    inputs = {"convert": tiny_llama_checkpoint}
+    store = LocalStore(tmp_path / "store")
+    ctx = StageContext(recipe=recipe, recipe_dir=tmp_path, out_dir=tmp_path, inputs=inputs,
+                       store=store)  # fmt: skip
+    with pytest.raises(StageError, match=r"calibration.seq_len: 4096 .*\(max_position_embed"):
+        CalibrateStage().run(ctx)
+    assert not (tmp_path / "calibration.safetensors").exists()
+
+
 def test_editing_one_sample_rekeys_calibrate_not_convert(
     tiny_llama_checkpoint: Path, tmp_path: Path
 ) -> None:

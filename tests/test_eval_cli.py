@@ -78,3 +78,16 @@ def test_bad_inputs_say_what_to_fix(tiny_llama_checkpoint: Path, tmp_path: Path)
     result = CliRunner().invoke(app, ["--baseline", str(tmp_path), "--candidate", tiny])
     assert result.exit_code == 2
     assert "not an HF checkpoint directory" in result.output
+
+
+def test_a_checkpoint_without_weights_is_named(tiny_llama_checkpoint: Path, tmp_path: Path) -> None:
+    candidate = tmp_path / "no-weights"
+    candidate.mkdir()
+    (candidate / "config.json").write_bytes((tiny_llama_checkpoint / "config.json").read_bytes())
+    result = CliRunner().invoke(
+        app,
+        ["--baseline", str(tiny_llama_checkpoint), "--candidate", str(candidate),
+         "--out", str(tmp_path / "out")],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert f"{candidate}: has config.json but no weight files (*.safetensors" in result.output

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from typer.testing import CliRunner
 
+from qpipe.cli import app
 from qpipe.evaluate.config import EvaluateConfig
 from qpipe.evaluate.gates import check_gates
 from qpipe.evaluate.significance import Comparison
@@ -47,6 +49,23 @@ def test_gate_for_a_task_that_does_not_run_is_an_error() -> None:
         EvaluateConfig(max_drop={"ppl_ratio": 0.95})
     with pytest.raises(ValueError, match="data_files or config, not both"):
         EvaluateConfig(tasks=[{"name": "x", "data_files": {"test": "a.jsonl"}, "config": "t.yaml"}])
+
+
+def test_max_tokens_below_one_window_is_refused_where_it_is_set() -> None:
+    """A budget under one window scores nothing: a recipe error at its line, not a failure that
+    blames the text after quantize has run."""
+    text = "name: smollm2-eval\nmodel: {source: /models/smollm2}\nevaluate:\n  max_tokens: 100\n"
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(text, "r.yaml")
+    message = str(info.value)
+    assert message.startswith("r.yaml:4 evaluate.max_tokens: max_tokens (100) is less than one")
+    assert "use max_tokens 512 or more" in message
+    assert parse_recipe(text + "  window: 64\n").evaluate is not None
+    assert EvaluateConfig(max_tokens=0).max_tokens == 0  # 0 turns the checks off
+    result = CliRunner().invoke(app, ["eval", "--baseline", "b", "--candidate", "c",
+                                      "--max-tokens", "256"])  # fmt: skip
+    assert result.exit_code == 2
+    assert "max_tokens (256) is less than one window" in " ".join(result.output.split())
 
 
 def _rows() -> list[Comparison]:

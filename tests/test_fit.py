@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,50 @@ def test_cli_on_the_real_checkpoint(smollm2_checkpoint: Path) -> None:
     assert report["fits"] is True
     bad = CliRunner().invoke(app, ["fit", str(smollm2_checkpoint), "--gpu", "potato"])
     assert bad.exit_code == 2 and "unknown GPU 'potato'" in bad.output
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("gpu_gib", 0.0, "GPU memory must be a positive number"),
+        ("gpu_gib", float("inf"), "GPU memory must be a positive number"),
+        ("tp", 0, "tp must be at least 1"),
+        ("group_size", -7, "group_size must be at least 1"),
+        ("max_model_len", 0, "max_model_len must be at least 1"),
+        ("concurrency", -5, "concurrency must be at least 1"),
+        ("overhead_gib", -100.0, "overhead_gib must be a finite number >= 0"),
+        ("overhead_gib", float("nan"), "overhead_gib must be a finite number >= 0"),
+    ],
+)
+def test_a_request_refuses_sizes_that_give_no_verdict(
+    field: str, value: float, message: str
+) -> None:
+    shape = ModelShape.from_config(LLAMA3_8B)
+    with pytest.raises(FitError, match=message):
+        replace(FitRequest(shape, gpu_gib=80, gpu_name="H100"), **{field: value})
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--concurrency", "0"],
+        ["--concurrency", "-5"],
+        ["--max-model-len", "0"],
+        ["--max-model-len", "-1"],
+        ["--quant", "int4", "--group-size", "-7"],
+        ["--overhead-gib", "-100"],
+        ["--overhead-gib", "inf"],
+        ["--tp", "0"],
+        ["--gpu", "inf"],
+        ["--gpu", "nan"],
+        ["--gpu", "0"],
+        ["--gpu", "-80"],
+    ],
+)
+def test_cli_nonsense_values_are_usage_errors(args: list[str], tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA3_8B))
+    result = CliRunner().invoke(app, ["fit", str(config), *args])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "does not fit" not in result.output and "fits" not in result.output

@@ -10,7 +10,7 @@ import pytest
 import typer
 from pydantic import BaseModel
 
-from qpipe.cli import _exit_for
+from qpipe.cli import _exit_for, _open_store
 from qpipe.hashing import HashCache
 from qpipe.pipeline import STAGE_ORDER, Pipeline, PlannedStage, gate_failures
 from qpipe.recipe import Recipe, parse_recipe
@@ -128,6 +128,42 @@ def test_until_and_force(setup) -> None:  # type: ignore[no-untyped-def]
     assert [p.name for p in planned] == ["convert", "calibrate"]
     pipeline().run(force=("calibrate",))
     assert RUNS == {"convert": 1, "calibrate": 2, "quantize": 1, "build": 1}
+
+
+class RebuildingStage(FakeStage):
+    """A forced rebuild: writes other bytes than the first build, or is interrupted (Ctrl-C)."""
+
+    interrupt = False
+
+    def run(self, ctx: StageContext) -> StageResult:
+        RUNS[self.name] += 1
+        (ctx.out_dir / "out.txt").write_text("rebuilt")
+        if self.interrupt:
+            raise KeyboardInterrupt
+        return StageResult(metrics={"rebuilt": True})
+
+
+def test_forced_rebuild_replaces_the_entry_only_when_it_succeeds(setup) -> None:  # type: ignore[no-untyped-def]
+    pipeline, stages, store, _ = setup
+    first = pipeline().run(until="calibrate")
+    key = first[1].key
+    store.set_alias("fake-calibration", key, {"stage": "calibrate"})
+    stages["calibrate"] = RebuildingStage("calibrate", NEEDS["calibrate"])
+    stages["calibrate"].interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        pipeline().run(until="calibrate", force=("calibrate",))
+    assert (store.open(key, verify=True) / "out.txt").read_text() == "calibrateconvert"
+    assert store.resolve_alias("fake-calibration")["key"] == key
+    assert not list((store.root / "tmp").iterdir())
+
+    stages["calibrate"].interrupt = False
+    again = pipeline().run(until="calibrate", force=("calibrate",))
+    assert again[1].status == "ran" and again[1].key == key
+    assert (store.open(key, verify=True) / "out.txt").read_text() == "rebuilt"
+    assert store.lookup(key).metrics == {"rebuilt": True}
+    assert store.resolve_alias("fake-calibration")["key"] == key
+    assert not list((store.root / "tmp").iterdir())
+    assert RUNS == {"convert": 1, "calibrate": 3}
 
 
 def test_unavailable_stage_stops_the_run_after_what_can_run(setup) -> None:  # type: ignore[no-untyped-def]
@@ -286,3 +322,26 @@ def test_run_exit_codes(
 
 def test_a_clean_run_exits_zero() -> None:
     _exit_for([_stage("evaluate"), _stage("publish")], gates_allowed=False)
+
+
+def test_recipe_store_paths_are_relative_to_the_recipe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Like every path in a recipe, a local store.location is read from the recipe's directory,
+    not from where qpipe runs; an s3:// location is passed as written."""
+    opened: list[tuple[str | None, ...]] = []
+    monkeypatch.setattr("qpipe.store.factory.open_store", lambda *args, **_: opened.append(args))
+    monkeypatch.chdir(tmp_path)
+    recipes = tmp_path / "recipes"
+    for store in ("{location: relstore}", "{location: s3://bucket/ci, local_cache: .qpipe}"):
+        recipe = parse_recipe(f"name: r\nmodel: {{source: gguf:m.gguf}}\nstore: {store}\n")
+        _open_store(None, recipe, recipes)
+    assert opened == [
+        (str(recipes / "relstore"), None, None),
+        ("s3://bucket/ci", None, str(recipes / ".qpipe")),
+    ]
+    # an unsupported scheme is refused, not made a directory under the recipe's
+    recipe = parse_recipe("name: r\nmodel: {source: gguf:m.gguf}\nstore: {location: gs://b/p}\n")
+    with pytest.raises(typer.Exit):
+        _open_store(None, recipe, recipes)
+    assert len(opened) == 2 and not (recipes / "gs:").exists()

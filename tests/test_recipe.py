@@ -120,6 +120,10 @@ MALFORMED = [
         ["recipes/x.yaml:5 model.allow_pickle: expected true or false, got 'maybe'"],
     ),
     (VALID + "build:\n  tp: 2\n", ["recipes/x.yaml:", "duplicate", "build"]),
+    (
+        _replace("  num_samples: 8", "  num_samples: 8\n  seq_len: 100000000"),
+        ["recipes/x.yaml:8 calibration.seq_len: 100000000 is longer than any model's context"],
+    ),
 ]
 
 
@@ -183,6 +187,26 @@ def test_group_size_that_does_not_divide_the_model_fails_validation(tmp_path: Pa
     assert run.exit_code == 2, run.output
     assert f"{bad}:{line} quantization.group_size: 128 does not divide" in run.output
     assert not (store / "objects").exists() or not any((store / "objects").iterdir())
+
+
+def test_seq_len_longer_than_the_model_context_fails_validation(
+    tiny_llama_checkpoint: Path, tmp_path: Path
+) -> None:
+    """The tiny model's config.json says max_position_embeddings 2048."""
+    recipe = tmp_path / "r.yaml"
+    dataset = REPO / "calibration" / "chat-example.jsonl"
+    text = _replace("  num_samples: 8", "  num_samples: 8\n  seq_len: 4096")
+    text = text.replace("gguf:model.gguf", str(tiny_llama_checkpoint))
+    recipe.write_text(text.replace("data.jsonl", str(dataset)))
+    result = CliRunner().invoke(app, ["recipe", "validate", str(recipe)])
+    assert result.exit_code == 2, result.output
+    assert (
+        f"{recipe}:8 calibration.seq_len: 4096 is longer than the model's context "
+        "(max_position_embeddings 2048); use at most 2048" in " ".join(result.output.split())
+    )
+    recipe.write_text(recipe.read_text().replace("4096", "2048"))
+    result = CliRunner().invoke(app, ["recipe", "validate", str(recipe)])
+    assert result.exit_code == 0, result.output
 
 
 def test_validate_reports_data_files_that_are_not_there(tmp_path: Path) -> None:

@@ -334,3 +334,20 @@ def test_real_smollm2_published_and_pulled_loads_identically(
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(dest).eval()(ids).logits
     assert tokenizer.decode(logits[0, -1].argmax()).strip() == "Paris"
+
+
+def test_pull_to_a_file_or_under_a_file_is_refused_with_the_path(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    publish(store, upstream(store), tmp_path)
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    runner = CliRunner()
+    for to, expected in (
+        (afile, f"{afile} is a file, not a directory"),
+        (afile / "x", f"cannot create the directory {afile} ("),
+    ):
+        args = ["pull", "smollm2-int8", "--target", "compressed-tensors", "--to", str(to)]
+        result = runner.invoke(registry_app, [*args, "--store", str(store.root)])
+        assert result.exit_code == 1, result.output
+        assert expected in result.output and "pull into a new directory" in result.output
+    assert afile.read_text() == "not a directory"

@@ -119,3 +119,41 @@ def test_corrupted_checkpoint_is_detected_and_rebuilt(converted: Path, tmp_path:
     verify = qpipe("cache", "verify", "--quarantine", store=store, check=False)
     plan = _stages(qpipe("plan", str(RECIPE), "--until", "convert", "--json", store=store))
     assert plan["convert"]["status"] == "miss"
+
+
+def test_a_manifest_path_that_cannot_take_a_file_is_refused_before_any_stage(
+    tmp_path: Path,
+) -> None:
+    store = tmp_path / "store"
+    (tmp_path / "afile").write_text("")
+    for path, expected in (
+        (tmp_path, "is a directory; name a file"),
+        (tmp_path / "afile" / "x.json", "afile is a file, not a directory"),
+    ):
+        result = qpipe("run", str(RECIPE), "--until", "convert", "--manifest", str(path),
+                       store=store, check=False)  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert expected in result.stderr and "Traceback" not in result.stderr
+    assert not list((store / "objects").glob("*/*")), "a stage ran before the path was checked"
+
+
+def test_a_manifest_that_cannot_be_written_after_the_run_says_where_the_store_has_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from qpipe.cli import app
+    from qpipe.pipeline import Pipeline
+
+    target = tmp_path / "ci" / "manifest.json"
+
+    def run_that_takes_the_path(self: Pipeline, **kwargs: object) -> list:
+        target.mkdir(parents=True)  # something else took the path while the stages ran
+        return []
+
+    monkeypatch.setattr(Pipeline, "run", run_that_takes_the_path)
+    result = CliRunner().invoke(app, ["run", str(RECIPE), "--until", "convert", "--manifest",
+                                      str(target), "--store", str(tmp_path / "store")])  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert f"--manifest {target}: cannot write it" in result.output
+    assert "docs/runs/smollm2-135m-int8/" in result.output

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from qpipe.store.base import DanglingAlias, StoreError
+from qpipe.store.base import DanglingAlias, MalformedAlias, StoreError
 from qpipe.store.entry import CorruptEntry
 from qpipe.store.factory import open_store
 from qpipe.store.local import LocalStore
@@ -230,3 +230,36 @@ def test_gc_removes_the_aliases_of_removed_entries_and_dangling_ones_say_why(
         s3_store(s3_env, bucket, tmp_path / "machine-b").resolve_alias("smollm2-cpu-fp8-tp1")
     assert "aliases/smollm2-cpu-fp8-tp1" in store.gc_remote(None)
     assert store.aliases() == {}
+
+
+def test_a_forced_commit_replaces_the_entry_for_every_machine(
+    s3_env: S3Server, tmp_path: Path
+) -> None:
+    bucket = s3_env.bucket()
+    store = s3_store(s3_env, bucket, tmp_path / "machine-a", stale_upload_s=-1)
+    old = commit(store, KEY, b"old build")
+    with store.writer(KEY, "build") as tmp:
+        make_entry(tmp, b"new build")
+        new = store.commit(KEY, "build", tmp, {}, None, {}, replace=True)
+    assert new.upload != old.upload and store.lookup(KEY) == new
+    for machine in (store, s3_store(s3_env, bucket, tmp_path / "machine-b")):
+        opened = machine.open(KEY)  # machine-a's download cache holds the new build too
+        assert (opened / "trtllm-checkpoint" / "rank0.safetensors").read_bytes() == b"new build"
+    assert store.gc_remote() == [f"blobs/{KEY}/{old.upload}"]  # the old files go with gc
+
+
+def test_an_unreadable_alias_in_the_bucket_is_skipped_and_removed_by_gc(
+    s3_env: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bucket = s3_env.bucket()
+    store = s3_store(s3_env, bucket, tmp_path / "machine-a")
+    commit(store, KEY, b"kept")
+    store.set_alias("smollm2-cpu-fp8-tp1", KEY, {"stage": "build"})
+    broken = "team/cache/aliases/broken.json"
+    s3_env.client().put_object(Bucket=bucket, Key=broken, Body=b"{not json")
+    assert set(store.aliases()) == {"smollm2-cpu-fp8-tp1"}
+    assert f"s3://{bucket}/{broken} is unreadable (not JSON" in caplog.text
+    with pytest.raises(MalformedAlias, match="qpipe cache gc"):
+        store.resolve_alias("broken")
+    assert store.gc_remote() == ["aliases/broken (unreadable record)"]
+    assert set(store.aliases()) == {"smollm2-cpu-fp8-tp1"}

@@ -177,3 +177,15 @@ def test_gc_drops_aliases_only_where_their_entry_is_gone(s3_env: S3Server, tmp_p
         copy_entries(store, LocalStore(tmp_path / "elsewhere"), ["smollm2-cpu-int8-tp1"])
     assert "aliases/smollm2-cpu-int8-tp1" in store.gc()  # garbage in the bucket too
     assert store.aliases() == {}
+
+
+def test_a_forced_commit_replaces_the_entry_in_both_tiers(s3_env: S3Server, tmp_path: Path) -> None:
+    location = f"s3://{s3_env.bucket()}/ci"
+    store = open_store(location, local_cache=str(tmp_path / "runner-1"))
+    build(store, KEY, b"old build")
+    with store.writer(KEY, "quantize") as tmp:
+        (tmp / "model.safetensors").write_bytes(b"new build")
+        new = store.commit(KEY, "quantize", tmp, {}, None, {}, replace=True)
+    assert store.local.lookup(KEY) == new and store.remote.lookup(KEY).files == new.files
+    other = open_store(location, local_cache=str(tmp_path / "runner-2"))
+    assert (other.open(KEY) / "model.safetensors").read_bytes() == b"new build"

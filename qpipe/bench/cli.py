@@ -122,13 +122,15 @@ def bench(
             tokenizer = Path(served.root)
     if tokenizer is None and Path(model).is_dir():
         tokenizer = Path(model)
+    try:
+        loaded_tokenizer = load_tokenizer(tokenizer) if tokenizer else None
+    except ValueError as exc:
+        raise error(str(exc), code=2) from exc
     target = Target(
         endpoint, model, chat=chat, ignore_eos=ignore_eos, read_timeout_s=timeout, api_key=api_key
     )
     try:
-        results = run_benchmark(
-            target, profiles, options, load_tokenizer(tokenizer) if tokenizer else None
-        )
+        results = run_benchmark(target, profiles, options, loaded_tokenizer)
     except BenchError as exc:
         raise error(str(exc), code=2) from exc
     for level in results:

@@ -28,10 +28,20 @@ class BenchPrompt:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A Hugging Face tokenizer from a local directory (a checkpoint or qpipe artifact)."""
+    """A Hugging Face tokenizer from a local directory (a checkpoint or qpipe artifact). A path
+    that is not one fails here, naming it, not as transformers' Hub lookup error."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    fix = "give the model's checkpoint or artifact directory (--tokenizer DIR)"
+    if not Path(path).is_dir():
+        raise ValueError(f"tokenizer {path}: not a directory; {fix}")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"tokenizer {path}: no tokenizer could be loaded from it (tokenizer.json or "
+            f"tokenizer_config.json with its vocabulary); {fix}"
+        ) from exc
 
 
 def count_tokens(tokenizer: Tokenizer, text: str) -> int:

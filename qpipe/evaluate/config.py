@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from qpipe.config_base import Section
+from qpipe.config_base import Section, field_error
 
 DISTRIBUTION_GATES = ("kld_mean", "kld_p99", "kld_max", "ppl_ratio", "top1_agreement")
 
@@ -105,6 +105,20 @@ class EvaluateConfig(Section):
                 raise ValueError(f"max_drop.ppl_ratio is candidate/baseline, >= 1; got {limit}")
             if limit < 0:
                 raise ValueError(f"max_drop.{gate} must be >= 0, got {limit}")
+        return self
+
+    @model_validator(mode="after")
+    def _one_window_at_least(self) -> EvaluateConfig:
+        """A budget under one window scores nothing: refused here, not after quantize has run."""
+        if 0 < self.max_tokens < self.window:
+            raise field_error(
+                EvaluateConfig,
+                ("max_tokens",),
+                self.max_tokens,
+                f"max_tokens ({self.max_tokens}) is less than one window (window: {self.window} "
+                f"tokens), so no window would be scored; use max_tokens {self.window} or more, "
+                "a smaller window, or max_tokens 0 to skip the perplexity/KLD checks",
+            )
         return self
 
 

@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+# What transformers loads a checkpoint's weights from, sharded or not.
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+
 
 @dataclass(frozen=True)
 class ModelRef:
@@ -40,6 +43,11 @@ class ModelRef:
             raise FileNotFoundError(
                 f"{self.spec}: not an HF checkpoint directory (no config.json); pass a checkpoint "
                 "directory or an http:// endpoint"
+            )
+        if not any(path for pattern in WEIGHT_FILES for path in self.path.glob(pattern)):
+            raise FileNotFoundError(
+                f"{self.spec}: has config.json but no weight files ({', '.join(WEIGHT_FILES)}); "
+                "pass a complete checkpoint directory (was it fully downloaded or written?)"
             )
 
     def served_model_name(self) -> str:

@@ -143,9 +143,17 @@ class Registry:
         """Download exactly one artifact into `dest` (new or empty), every file verified; `dest`
         appears only once the whole artifact is there."""
         manifest, record = self.find(ref, target, arch)
+        if dest.exists() and not dest.is_dir():
+            raise RegistryError(f"{dest} is a file, not a directory: pull into a new directory")
         if dest.exists() and any(dest.iterdir()):
             raise RegistryError(f"{dest} is not empty: pull into a new directory")
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file where a parent should be, or no permission
+            raise RegistryError(
+                f"cannot create the directory {dest.parent} ({exc.strerror}): pull into a new "
+                "directory under one you can write to"
+            ) from exc
         partial = dest.with_name(f".{dest.name}.partial-{uuid.uuid4().hex[:8]}")
         try:
             self.store.fetch(record.key, partial, record.path)

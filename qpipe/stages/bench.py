@@ -117,8 +117,8 @@ class BenchStage(Stage):
                 "(e.g. {ttft: 500, tpot: 50}, in ms)"
             )
         build_dir = ctx.inputs["build"]
-        tokenizer = load_tokenizer(tokenizer_dir(build_dir))
         try:
+            tokenizer = load_tokenizer(tokenizer_dir(build_dir))
             options = BenchOptions(goodput=validated_slos(config.goodput))
             if config.endpoint is not None:
                 target = Target(config.endpoint, asyncio.run(served_model(config.endpoint)).id)

@@ -7,11 +7,13 @@ what follows, nothing upstream.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
+from qpipe.calibration.seq_len import SeqLenError, check_seq_len
 from qpipe.quant.config import CalibrationConfig
 from qpipe.recipe import Recipe
 from qpipe.stages.base import Stage, StageContext, StageError, StageResult, input_path
@@ -50,6 +52,13 @@ class CalibrateStage(Stage):
         from qpipe.calibration.builder import build_calibration_set
 
         config = _config(ctx.recipe)
+        # NOTE: before any window is allocated: validation cannot read every model's context (a
+        # model not downloaded there, a GGUF header without it)
+        model_config = json.loads((ctx.inputs["convert"] / "config.json").read_text())
+        try:
+            check_seq_len(config.seq_len, model_config)
+        except SeqLenError as exc:
+            raise StageError(f"calibration.seq_len: {exc}") from exc
         tokenizer = AutoTokenizer.from_pretrained(ctx.inputs["convert"])
         calibration_set = build_calibration_set(config, ctx.resolve(config.dataset), tokenizer)
         calibration_set.save(ctx.out_dir)

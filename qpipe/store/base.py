@@ -6,6 +6,7 @@ last), so a crash never leaves something that looks complete.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +32,29 @@ class DanglingAlias(StoreError):
             "`qpipe run` on its recipe (which moves the alias to the new entry), or drop the "
             "alias with `qpipe cache gc`, which removes aliases whose entry is gone"
         )
+
+
+class MalformedAlias(StoreError):
+    """An alias record that is not a JSON object with a "key" (a hand edit, a disk error): it names
+    the file, so listing can skip it and gc can remove it instead of every command crashing."""
+
+    def __init__(self, where: str, problem: str):
+        self.where = where
+        super().__init__(
+            f"alias record {where} is unreadable ({problem}): fix or delete it, or run "
+            "`qpipe cache gc`, which removes unreadable alias records"
+        )
+
+
+def parse_alias_record(where: str, data: bytes) -> dict[str, Any]:
+    """The alias record stored at `where`, or MalformedAlias saying what is wrong with it."""
+    try:
+        record = json.loads(data)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise MalformedAlias(where, f"not JSON: {exc}") from exc
+    if not isinstance(record, dict) or not isinstance(record.get("key"), str):
+        raise MalformedAlias(where, 'not a JSON object with a "key"')
+    return record
 
 
 class Store(ABC):
@@ -64,8 +88,14 @@ class Store(ABC):
         metrics: dict[str, Any],
         gate: dict[str, Any] | None,
         key_inputs: dict[str, Any],
+        replace: bool = False,
     ) -> EntryMeta:
-        """Publish `built` under key. If another process committed it first, theirs is kept."""
+        """Publish `built` under key. If another process committed it first, theirs is kept.
+
+        With `replace` (a forced rebuild), an entry already under key is swapped for `built`
+        only now that `built` is complete, so an interrupted rebuild leaves the old entry, and
+        the aliases and registry artifacts that point at it, intact. What a reader sees during
+        the swap depends on the store: see each store's commit."""
 
     @abstractmethod
     def import_entry(self, meta: EntryMeta, files: Path) -> EntryMeta:
@@ -94,8 +124,8 @@ class Store(ABC):
     @abstractmethod
     def gc(self, keep: set[str] | None = None) -> list[str]:
         """Remove abandoned temp dirs and quarantined entries (and, given `keep`, all others),
-        then every alias whose entry is gone (`aliases/<name>` in the result), so no alias is left
-        pointing at nothing."""
+        then every alias whose entry is gone or whose record is unreadable (`aliases/<name>` in
+        the result), so no alias is left pointing at nothing."""
 
     @abstractmethod
     def set_alias(self, alias: str, key: str, info: dict[str, Any]) -> None: ...
@@ -103,11 +133,12 @@ class Store(ABC):
     @abstractmethod
     def resolve_alias(self, alias: str) -> dict[str, Any] | None:
         """The alias record ({"key": ..., plus info}), or None; DanglingAlias when the alias
-        exists but its entry does not."""
+        exists but its entry does not, MalformedAlias when its record is unreadable."""
 
     @abstractmethod
     def aliases(self) -> dict[str, dict[str, Any]]:
-        """Every alias record as stored, dangling ones included (gc drops those)."""
+        """Every alias record as stored, dangling ones included (gc drops those); an unreadable
+        record is logged as a warning naming it and left out (gc removes it)."""
 
     def _checked_alias(self, alias: str, record: dict[str, Any] | None) -> dict[str, Any] | None:
         """`record` if its entry exists here; a resolved alias is about to be opened, and a

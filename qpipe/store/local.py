@@ -8,6 +8,7 @@ a finished temp directory that already holds its marker, so readers see all of a
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -19,8 +20,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from qpipe.store.base import Store, StoreError
+from qpipe.store.base import MalformedAlias, Store, StoreError, parse_alias_record
 from qpipe.store.entry import MARKER, EntryMeta, select_files, verify_files
+
+log = logging.getLogger(__name__)
 
 
 def default_home() -> Path:
@@ -45,9 +48,17 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 class LocalStore(Store):
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, create: bool = True):
+        """`create=False` for a store that is only read from (a copy's source): a mistyped path
+        is then an error instead of a new, empty store that silently has nothing."""
         self.root = root.expanduser().resolve()
         self.location = str(self.root)
+        if not create and not (self.root / "objects").is_dir():
+            problem = "is not a store" if self.root.exists() else "does not exist"
+            raise StoreError(
+                f"no store at {self.root}: the directory {problem} (a store holds objects/, "
+                "aliases/ and docs/); check the path, e.g. with `qpipe cache ls --store DIR`"
+            )
         try:
             for sub in ("objects", "tmp", "corrupt", "aliases", "docs"):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
@@ -96,25 +107,47 @@ class LocalStore(Store):
         metrics: dict[str, Any],
         gate: dict[str, Any] | None,
         key_inputs: dict[str, Any],
+        replace: bool = False,
     ) -> EntryMeta:
+        """With `replace`, the old entry is renamed aside and the new one renamed in right after:
+        a reader in the instant between sees a miss, never a partial entry, and only a crash in
+        that instant loses the old entry (tmp/, for gc) without installing the new one."""
         meta = EntryMeta.of_built(key, stage, built, metrics, gate, key_inputs)
-        return self.adopt(meta, built)
+        return self.adopt(meta, built, replace)
 
-    def adopt(self, meta: EntryMeta, built: Path) -> EntryMeta:
+    def adopt(self, meta: EntryMeta, built: Path, replace: bool = False) -> EntryMeta:
         """Publish `built` (already holding meta's files, checked by the caller) with `meta` as its
-        marker: how downloads and copies from other stores land here without hashing twice."""
+        marker: how downloads and copies from other stores land here without hashing twice.
+        `replace` swaps out an entry already under the key (see commit)."""
         (built / MARKER).write_text(meta.model_dump_json(indent=2))
         final = self._entry_dir(meta.key)
         final.parent.mkdir(parents=True, exist_ok=True)
+        old = self._move_aside(final, meta.key) if replace else None
         try:
             os.rename(built, final)
         except OSError:
             existing = self.lookup(meta.key)
             if existing is None:
+                if old is not None:
+                    os.rename(old, final)  # the new entry cannot go in: keep the old one
                 raise
-            return existing  # another process won the race; its entry is equivalent
-        built.mkdir()  # the writer's cleanup expects its directory
-        return meta
+            published = existing  # another process won the race; its entry is equivalent
+        else:
+            published = meta
+            built.mkdir()  # the writer's cleanup expects its directory
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return published
+
+    def _move_aside(self, entry: Path, key: str) -> Path | None:
+        """Rename a committed entry into tmp/ (named like a writer's dir, so gc leaves it alone
+        while this process lives); None when there is no entry to move."""
+        aside = self.root / "tmp" / f"replacing-{key[:16]}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(entry, aside)
+        except FileNotFoundError:
+            return None
+        return aside
 
     def import_entry(self, meta: EntryMeta, files: Path) -> EntryMeta:
         existing = self.lookup(meta.key)
@@ -184,7 +217,12 @@ class LocalStore(Store):
         moves the alias, so only an alias moved in the instant between check and unlink is lost."""
         removed = []
         for path in sorted((self.root / "aliases").glob("*.json")):
-            record = self._alias_record(path.stem)
+            try:
+                record = self._alias_record(path.stem)
+            except MalformedAlias:
+                path.unlink(missing_ok=True)
+                removed.append(f"aliases/{path.stem} (unreadable record)")
+                continue
             if record is None or self.lookup(record["key"]) is not None:
                 continue
             path.unlink(missing_ok=True)
@@ -204,15 +242,21 @@ class LocalStore(Store):
         """The stored record, whether or not its entry exists (resolve_alias checks that)."""
         path = self.root / "aliases" / f"{alias}.json"
         try:
-            return json.loads(path.read_text())
+            return parse_alias_record(str(path), path.read_bytes())
         except FileNotFoundError:
             return None
 
     def aliases(self) -> dict[str, dict[str, Any]]:
-        return {
-            p.stem: json.loads(p.read_text())
-            for p in sorted((self.root / "aliases").glob("*.json"))
-        }
+        found = {}
+        for path in sorted((self.root / "aliases").glob("*.json")):
+            try:
+                record = self._alias_record(path.stem)
+            except MalformedAlias as exc:
+                log.warning("warning: %s; skipping it", exc)
+                continue
+            if record is not None:
+                found[path.stem] = record
+        return found
 
     def write_document(self, name: str, data: bytes) -> None:
         _write_atomic(self._doc_path(name), data)

@@ -11,6 +11,7 @@ local download cache (a LocalStore), so open() returns a directory and verifies 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -39,7 +40,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from qpipe.store.base import Store, StoreError
+from qpipe.store.base import MalformedAlias, Store, StoreError, parse_alias_record
 from qpipe.store.entry import (
     CorruptEntry,
     EntryMeta,
@@ -48,6 +49,8 @@ from qpipe.store.entry import (
     verify_files,
 )
 from qpipe.store.local import LocalStore
+
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 PROGRESS_MIN_BYTES = 32 * MiB
@@ -273,15 +276,21 @@ class S3Store(Store):
         metrics: dict[str, Any],
         gate: dict[str, Any] | None,
         key_inputs: dict[str, Any],
+        replace: bool = False,
     ) -> EntryMeta:
+        """With `replace`, the new marker overwrites the old one in a single PUT once the new files
+        are uploaded: readers see the old entry or the new, never neither. The old upload's files
+        stay until gc drops them as an upload no marker points to, and other machines' download
+        caches keep the old copy they hold (same key: built from the same inputs)."""
         meta = EntryMeta.of_built(key, stage, built, metrics, gate, key_inputs)
-        published = self.import_entry(meta, built)
+        published = self.import_entry(meta, built, replace)
         if published.files == meta.files:  # ours won (or an identical build): keep it, no download
-            self.cache.adopt(meta, built)
+            self.cache.adopt(meta, built, replace)
         return published
 
-    def import_entry(self, meta: EntryMeta, files: Path) -> EntryMeta:
-        existing = self.lookup(meta.key)
+    def import_entry(self, meta: EntryMeta, files: Path, replace: bool = False) -> EntryMeta:
+        """`replace` overwrites an entry already under the key (see commit)."""
+        existing = None if replace else self.lookup(meta.key)
         if existing is not None:
             return existing
         upload = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
@@ -308,12 +317,17 @@ class S3Store(Store):
                     f"upload of {meta.key[:12]} is incomplete: {rel} has "
                     f"{uploaded.get(rel)} bytes in {self.location}, expected {record.size}"
                 )
-        return self._put_marker(S3Marker.model_validate({**meta.model_dump(), "upload": upload}))
+        marker = S3Marker.model_validate({**meta.model_dump(), "upload": upload})
+        return self._put_marker(marker, replace)
 
-    def _put_marker(self, marker: S3Marker) -> S3Marker:
-        """The commit point: first marker wins; a loser removes its upload and reuses the winner."""
+    def _put_marker(self, marker: S3Marker, replace: bool = False) -> S3Marker:
+        """The commit point: first marker wins; a loser removes its upload and reuses the winner.
+        `replace` puts it unconditionally: the last forced rebuild wins."""
         name = self._path("entries", f"{marker.key}.json")
         body = marker.model_dump_json(indent=2).encode()
+        if replace:
+            self._put(name, body)
+            return marker
         try:
             self.client.put_object(Bucket=self.bucket, Key=name, Body=body, IfNoneMatch="*")
         except ClientError as exc:
@@ -419,12 +433,15 @@ class S3Store(Store):
         removed = []
         for obj in list(self._list(self._path("aliases") + "/")):
             alias = obj["Key"].rsplit("/", 1)[-1].removesuffix(".json")
-            record = self._alias_record(alias)
-            if record is None or self.lookup(record["key"]) is not None:
+            try:
+                record, why = self._alias_record(alias), ""
+            except MalformedAlias:
+                record, why = None, " (unreadable record)"
+            if not why and (record is None or self.lookup(record["key"]) is not None):
                 continue
             with self._errors(f"remove alias {alias}"):
                 self.client.delete_object(Bucket=self.bucket, Key=obj["Key"])
-            removed.append(f"aliases/{alias}")
+            removed.append(f"aliases/{alias}{why}")
         return removed
 
     # -- aliases and documents ---------------------------------------------------------------
@@ -437,14 +454,19 @@ class S3Store(Store):
 
     def _alias_record(self, alias: str) -> dict[str, Any] | None:
         """The stored record, whether or not its entry exists (resolve_alias checks that)."""
-        data = self._get(self._path("aliases", f"{alias}.json"))
-        return json.loads(data) if data is not None else None
+        name = self._path("aliases", f"{alias}.json")
+        data = self._get(name)
+        return parse_alias_record(f"s3://{self.bucket}/{name}", data) if data is not None else None
 
     def aliases(self) -> dict[str, dict[str, Any]]:
         found = {}
         for obj in self._list(self._path("aliases") + "/"):
             alias = obj["Key"].rsplit("/", 1)[-1].removesuffix(".json")
-            record = self._alias_record(alias)
+            try:
+                record = self._alias_record(alias)
+            except MalformedAlias as exc:
+                log.warning("warning: %s; skipping it", exc)
+                continue
             if record is not None:
                 found[alias] = record
         return found

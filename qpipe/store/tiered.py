@@ -62,15 +62,24 @@ class TieredStore(Store):
         metrics: dict[str, Any],
         gate: dict[str, Any] | None,
         key_inputs: dict[str, Any],
+        replace: bool = False,
     ) -> EntryMeta:
-        meta = self.local.commit(key, stage, built, metrics, gate, key_inputs)
+        """With `replace`, each tier swaps its entry as LocalStore and S3Store do, local tier
+        first: if the bucket cannot be reached the new build is cached here and the bucket keeps
+        the old one, still complete."""
+        meta = self.local.commit(key, stage, built, metrics, gate, key_inputs, replace)
         try:
-            published = self.remote.import_entry(meta, self.local.open(key, verify=False))
+            published = self.remote.import_entry(meta, self.local.open(key, verify=False), replace)
         except StoreError as exc:
+            share = (
+                "Force the rebuild again to replace the bucket's copy"
+                if replace
+                else f"Share it later with `qpipe cache push {key[:12]} --to "
+                f"{self.remote.location}`"
+            )
             raise StoreError(
                 f"{stage} {key[:12]} is cached locally in {self.local.location} but was not "
-                f"shared: {exc}. Share it later with `qpipe cache push {key[:12]} --to "
-                f"{self.remote.location}`"
+                f"shared: {exc}. {share}"
             ) from exc
         if published.files != meta.files:
             # another machine committed first: use its bytes, as every other machine will
