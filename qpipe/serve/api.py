@@ -140,9 +140,10 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         # with its headers: a 405 must say which methods the route takes (`Allow`)
-        error = APIError(exc.status_code, str(exc.detail), error_type="http_error")
-        error.headers = dict(exc.headers or {})
-        return _error_response(error)
+        headers = dict(exc.headers or {})
+        return _error_response(
+            APIError(exc.status_code, str(exc.detail), error_type="http_error", headers=headers)
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
