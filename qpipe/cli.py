@@ -197,7 +197,7 @@ def run(
     Exit codes: 0 done, 1 a stage failed or is not available or a build target could not be
     built, 2 bad recipe, 3 an accuracy or throughput gate failed.
     """
-    from qpipe.pipeline import manifest
+    from qpipe.pipeline import manifest, stage_enabled
     from qpipe.stages.base import StageError
     from qpipe.store.base import StoreError
 
@@ -210,6 +210,12 @@ def run(
     _check_stage_name(until)
     for name in force or ():
         _check_stage_name(name)
+        if not stage_enabled(name, pipeline.loader(name), loaded):
+            raise error(
+                f"--force {name}: this recipe does not run the {name} stage (its section is absent "
+                "or turns it off), so there is nothing to rebuild",
+                code=2,
+            )
     if manifest_path is not None:
         _check_manifest_path(manifest_path)
     _check_model_fit(recipe, loaded, pipeline, "quantize" in (force or ()))

@@ -13,7 +13,11 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    # `.inf` and `.nan` are YAML floats: NaN passes every range check (an alpha of NaN read as
+    # "must be <= 1"), and an infinite gate limit silently turns the gate off
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False
+    )
 
 
 def field_error(

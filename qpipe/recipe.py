@@ -7,6 +7,7 @@ valid key, because a recipe is edited by hand and a CI log is often all the user
 from __future__ import annotations
 
 import difflib
+import io
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -218,11 +219,19 @@ def _duplicate_keys(node: yaml.Node | None, source: str, path: str = "") -> list
     return problems
 
 
+def _named(text: str, source: str) -> io.StringIO:
+    """The text as a stream named `source`: PyYAML's messages then say `in "r.yaml", line 3`
+    instead of `in "<unicode string>"`."""
+    stream = io.StringIO(text)
+    stream.name = source
+    return stream
+
+
 def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
     """Validate recipe YAML text; raise RecipeError with every problem located."""
     try:
-        data = yaml.safe_load(text)
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(_named(text, source))
+        root = yaml.compose(_named(text, source), Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""

@@ -66,6 +66,11 @@ def _replace(old: str, new: str) -> str:
 MALFORMED = [
     # (recipe text, substrings the message must contain)
     (
+        _replace("  smoothquant_alpha: 0.5", "  smoothquant_alpha: .nan"),
+        ["recipes/x.yaml:10 quantization.smoothquant_alpha:", "finite"],
+    ),
+    (_replace("name: ok-recipe\n", "name: ok-recipe\nmodel: [\n"), ['in "recipes/x.yaml"']),
+    (
         _replace("  num_samples: 8", "  num_samples: x"),
         ["recipes/x.yaml:7 calibration.num_samples: expected an integer, got 'x'"],
     ),
@@ -232,3 +237,16 @@ def test_recipe_errors_print_brackets_as_text(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["recipe", "validate", str(bad)])
     assert result.exit_code == 2
     assert "[a-z0-9][a-z0-9._-]*$" in result.output
+
+
+def test_forcing_a_stage_the_recipe_does_not_run_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--force evaluate` on a recipe without `evaluate:` used to be ignored silently: a CI job
+    asking for a fresh accuracy check got none."""
+    monkeypatch.setenv("QPIPE_HOME", str(tmp_path / "home"))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(VALID)
+    result = CliRunner().invoke(app, ["run", str(recipe), "--force", "evaluate"])
+    assert result.exit_code == 2
+    assert "does not run the evaluate stage" in result.output
