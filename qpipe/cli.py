@@ -98,9 +98,14 @@ def _pipeline(recipe_path: Path, store: str | None, recipe: Recipe | None = None
     )
 
 
+def _reason(stage: Any) -> str:
+    """The stage's failure, without the stage's own name in front (it is printed beside it)."""
+    return str(stage.reason).removeprefix(f"{stage.name}: ")
+
+
 def _note(stage: Any) -> str:
     if stage.reason:
-        return stage.reason
+        return _reason(stage)
     metrics = stage.metrics or {}
     if stage.gate is not None:
         return "gates passed" if stage.gate.get("passed") else "GATES FAILED"
@@ -141,7 +146,7 @@ def _stage_event(stage: Any, event: str) -> None:
             f"({escape(stage.reason)}); rebuilding it[/]"
         )
     elif event == "failed":
-        console.print(f"[red]✗ {stage.name}: {escape(stage.reason)}[/]", highlight=False)
+        console.print(f"[red]✗ {stage.name}: {escape(_reason(stage))}[/]", highlight=False)
 
 
 @app.command()

@@ -10,7 +10,7 @@ import pytest
 import typer
 from pydantic import BaseModel
 
-from qpipe.cli import _exit_for, _open_store
+from qpipe.cli import _exit_for, _note, _open_store
 from qpipe.hashing import HashCache
 from qpipe.pipeline import STAGE_ORDER, Pipeline, PlannedStage, gate_failures
 from qpipe.recipe import Recipe, parse_recipe
@@ -345,3 +345,10 @@ def test_recipe_store_paths_are_relative_to_the_recipe(
     with pytest.raises(typer.Exit):
         _open_store(None, recipe, recipes)
     assert len(opened) == 2 and not (recipes / "gs:").exists()
+
+
+def test_a_failure_is_reported_without_its_stage_name_twice() -> None:
+    failed = PlannedStage("evaluate", "failed", reason="evaluate: wikitext-2 is missing")
+    assert _note(failed) == "wikitext-2 is missing"
+    other = PlannedStage("bench", "failed", reason="evaluate: a reason naming another stage")
+    assert _note(other) == "evaluate: a reason naming another stage"
