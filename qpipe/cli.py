@@ -160,7 +160,9 @@ def plan(
     from qpipe.stages.base import StageError
     from qpipe.store.base import StoreError
 
-    pipeline = _pipeline(recipe, store)
+    loaded = _load(recipe)
+    _check_inputs(recipe, loaded)
+    pipeline = _pipeline(recipe, store, loaded)
     _check_stage_name(until)
     try:
         planned = pipeline.plan(until)
@@ -172,6 +174,16 @@ def plan(
         )
     else:
         out.print(_table(planned, f"plan: {recipe}  (store: {pipeline.store.location})"))
+
+
+def _check_inputs(recipe_path: Path, recipe: Recipe) -> None:
+    """Data files the recipe names but that are not there: a bad recipe (exit 2), as `qpipe
+    recipe validate` says, before any stage is planned or run."""
+    from qpipe.pipeline import missing_inputs
+
+    problems = missing_inputs(recipe, recipe_path.resolve().parent)
+    if problems:
+        raise error("; ".join(f"{recipe_path}: {problem}" for problem in problems), code=2)
 
 
 def _check_stage_name(name: str | None) -> None:
@@ -207,6 +219,7 @@ def run(
     from qpipe.store.base import StoreError
 
     loaded = _load(recipe)
+    _check_inputs(recipe, loaded)
     if allow_failed_gates and loaded.publish is not None:
         loaded = loaded.model_copy(
             update={"publish": loaded.publish.model_copy(update={"allow_failed_gates": True})}

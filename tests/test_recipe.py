@@ -247,6 +247,21 @@ def test_forcing_a_stage_the_recipe_does_not_run_is_refused(
     monkeypatch.setenv("QPIPE_HOME", str(tmp_path / "home"))
     recipe = tmp_path / "r.yaml"
     recipe.write_text(VALID)
+    (tmp_path / "data.jsonl").write_text('{"text": "a sample"}\n')
     result = CliRunner().invoke(app, ["run", str(recipe), "--force", "evaluate"])
     assert result.exit_code == 2
     assert "does not run the evaluate stage" in result.output
+
+
+def test_plan_and_run_refuse_a_missing_data_file_as_validate_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A data file the recipe names but that is not there is a bad recipe (2) for every
+    command, not a stage failure (1) for plan and run."""
+    monkeypatch.setenv("QPIPE_HOME", str(tmp_path / "home"))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(VALID)  # calibration.dataset data.jsonl is not in tmp_path
+    for command in (["recipe", "validate"], ["plan"], ["run"]):
+        result = CliRunner().invoke(app, [*command, str(recipe)])
+        assert result.exit_code == 2, (command, result.output)
+        assert "data.jsonl does not exist" in " ".join(result.output.split())
