@@ -247,6 +247,8 @@ def run(
             planned = pipeline.run(until=until, force=tuple(force or ()), on_event=_stage_event)
     except (StageError, StoreError) as exc:
         raise error(str(exc)) from exc
+    except Terminated as exc:
+        raise typer.Exit(128 + signal.SIGTERM) from exc
     finally:
         signal.signal(signal.SIGTERM, previous)
     record = manifest(loaded, recipe, planned, pipeline.store)
@@ -523,8 +525,13 @@ def main() -> None:
     app()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, unwound like Ctrl-C (temp dirs removed, servers stopped), but exiting with 143
+    (128 + SIGTERM), the code a CI runner or container supervisor expects of a stopped job."""
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 RECIPE_QUANT = {"none": None, "int8-sq": "int8", "int8-wo": "int8", "fp8": "fp8", "awq": "int4",

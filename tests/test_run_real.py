@@ -157,3 +157,36 @@ def test_a_manifest_that_cannot_be_written_after_the_run_says_where_the_store_ha
     assert result.exit_code == 1, result.output
     assert f"--manifest {target}: cannot write it" in result.output
     assert "docs/runs/smollm2-135m-int8/" in result.output
+
+
+def test_sigterm_unwinds_the_run_and_exits_143(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM (a CI job or container stopped) unwinds like Ctrl-C, so the running stage cleans
+    up, but exits 128 + 15 as a terminated process does, not Ctrl-C's 130."""
+    import time
+
+    from typer.testing import CliRunner
+
+    from qpipe.cli import app
+    from qpipe.pipeline import Pipeline
+
+    unwound = []
+
+    def run_until_terminated(self: Pipeline, **kwargs: object) -> list:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)  # the handler raises here
+        except KeyboardInterrupt:
+            unwound.append(True)
+            raise
+        return []
+
+    monkeypatch.setattr(Pipeline, "run", run_until_terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    result = CliRunner().invoke(
+        app, ["run", str(RECIPE), "--until", "convert", "--store", str(tmp_path / "store")]
+    )
+    assert result.exit_code == 143, result.output
+    assert unwound == [True]
+    assert signal.getsignal(signal.SIGTERM) == before  # the run's handler was put back
