@@ -294,3 +294,13 @@ def test_cli_names_a_tokenizer_path_that_holds_no_tokenizer(tmp_path: Path) -> N
         assert result.exit_code == 2, result.output
         assert f"tokenizer {path}: {expected}" in result.output
         assert "--tokenizer DIR" in result.output
+
+
+def test_cli_names_the_option_of_a_load_value_out_of_range(tmp_path: Path) -> None:
+    for option, value in (("--request-rate", "-1"), ("--input-len", "0")):
+        args = ["--endpoint", "http://127.0.0.1:9", "--model", "m", option, value]
+        result = CliRunner().invoke(bench_app, [*args, "--store", str(tmp_path / "store")])
+        assert result.exit_code == 2, result.output
+        text = " ".join(result.output.split())
+        assert f"{option} {value}" in text and "greater than 0" in text
+        assert "errors.pydantic.dev" not in text

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from pydantic import ValidationError
 from rich.table import Table
 
 from qpipe.bench.config import LoadProfile
@@ -106,6 +107,13 @@ def bench(
             )
             for c in levels
         ] * repeats
+    except ValidationError as exc:  # a LoadProfile field is the option of the same name
+        raise typer.BadParameter(
+            "; ".join(
+                f"--{str(e['loc'][0]).replace('_', '-')} {e['input']}: {e['msg'].lower()}"
+                for e in exc.errors()
+            )
+        ) from exc
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if model is None:
