@@ -118,7 +118,8 @@ def _note(stage: Any) -> str:
 
 
 def _table(planned: list[Any], title: str) -> Table:
-    colors = {"hit": "green", "ran": "cyan", "miss": "yellow", "failed": "red", "corrupt": "red"}
+    colors = {"hit": "green", "ran": "cyan", "miss": "yellow", "stale": "yellow", "failed": "red",
+              "corrupt": "red"}  # fmt: skip
     table = Table(title=title, title_justify="left")
     for column in ("stage", "status", "seconds", "key", "output", "notes"):
         table.add_column(column, overflow="fold")
@@ -464,11 +465,17 @@ def cache_gc(
         typer.Option("--keep-recipe", help="Also delete entries these recipes do not use."),
     ] = None,
 ) -> None:
-    """Remove abandoned temp dirs and quarantined entries (and, with --keep-recipe, unused ones)."""
+    """Remove abandoned temp dirs and quarantined entries (and, with --keep-recipe, unused ones;
+    entries that published registry versions name are always kept)."""
+    from qpipe.registry.registry import Registry, RegistryError
+
     opened = _open_store(store)
     keep = None
     if keep_recipe:
-        keep = set()
+        try:
+            keep = Registry(opened).referenced_keys()
+        except RegistryError as exc:  # an unreadable manifest: deleting would be a guess
+            raise error(f"{exc}; gc --keep-recipe keeps what published versions name") from exc
         for path in keep_recipe:
             keep |= {p.key for p in _pipeline(path, store).plan() if p.key}
     removed = opened.gc(keep)

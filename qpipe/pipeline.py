@@ -28,7 +28,7 @@ STAGE_ORDER = ("convert", "calibrate", "quantize", "build", "evaluate", "bench",
 OPTIONAL_SECTIONS = {"calibrate": "calibration", "evaluate": "evaluate", "bench": "bench",
                      "publish": "publish"}  # fmt: skip
 
-Status = Literal["hit", "miss", "ran", "failed", "corrupt", "disabled", "unavailable"]
+Status = Literal["hit", "miss", "stale", "ran", "failed", "corrupt", "disabled", "unavailable"]
 
 
 def load_stage(name: str) -> Stage | None:
@@ -168,6 +168,10 @@ class Pipeline:
             planned.path = str(self.store.open(key, verify=False))
         except CorruptEntry as exc:
             planned.status, planned.reason = "corrupt", exc.problem
+            return planned
+        stale = stage.stale(self.recipe, Path(planned.path), self.store)
+        if stale is not None:
+            planned.status, planned.reason = "stale", stale
         return planned
 
     def _needed_upstream(self, name: str) -> bool:
@@ -190,7 +194,9 @@ class Pipeline:
         blocked = next((p for p in active if p.status == "unavailable"), None)
         if blocked is not None:
             active = active[: active.index(blocked)]
-        to_run = {p.name for p in active if p.status in ("miss", "corrupt") or p.name in force}
+        to_run = {
+            p.name for p in active if p.status in ("miss", "stale", "corrupt") or p.name in force
+        }
         inputs = self._verify_inputs(active, to_run, on_event)
         keys = {p.name: p.key for p in active if p.key}
         for p in active:
@@ -262,8 +268,8 @@ class Pipeline:
         inputs: dict[str, Path],
         keys: dict[str, str],
     ) -> EntryMeta:
-        """Run one stage into a temp dir and commit it; a forced stage (planned as a hit)
-        replaces its cached entry."""
+        """Run one stage into a temp dir and commit it; a forced or stale stage (planned as a
+        hit, or found stale) replaces its cached entry."""
         assert planned.key is not None
         with self.store.writer(planned.key, stage.name) as out_dir:
             ctx = StageContext(
@@ -282,7 +288,7 @@ class Pipeline:
                     "failures": list(result.gate.failures),
                     "checked": dict(result.gate.checked),
                 }
-            forced = planned.status == "hit"
+            forced = planned.status in ("hit", "stale")
             meta = self.store.commit(
                 planned.key,
                 stage.name,

@@ -166,6 +166,29 @@ def test_forced_rebuild_replaces_the_entry_only_when_it_succeeds(setup) -> None:
     assert RUNS == {"convert": 1, "calibrate": 3}
 
 
+class ExternalEffectStage(RebuildingStage):
+    """A stage whose effect lives outside its entry (as publish's in the registry)."""
+
+    effect_gone = False
+
+    def stale(self, recipe: Recipe, entry: Path, store: LocalStore) -> str | None:
+        return "its effect is gone" if self.effect_gone else None
+
+
+def test_a_stale_entry_runs_again_and_replaces_itself(setup) -> None:  # type: ignore[no-untyped-def]
+    pipeline, stages, store, _ = setup
+    stages["calibrate"] = ExternalEffectStage("calibrate", NEEDS["calibrate"])
+    first = pipeline().run(until="calibrate")
+    assert [p.status for p in pipeline().plan(until="calibrate")] == ["hit", "hit"]
+    stages["calibrate"].effect_gone = True
+    planned = pipeline().plan(until="calibrate")
+    assert planned[1].status == "stale" and planned[1].reason == "its effect is gone"
+    again = pipeline().run(until="calibrate")
+    assert [p.status for p in again] == ["hit", "ran"] and again[1].key == first[1].key
+    assert store.lookup(first[1].key).metrics == {"rebuilt": True}
+    assert RUNS == {"convert": 1, "calibrate": 2}
+
+
 def test_unavailable_stage_stops_the_run_after_what_can_run(setup) -> None:  # type: ignore[no-untyped-def]
     pipeline, stages, _, _ = setup
     del stages["build"]

@@ -169,11 +169,65 @@ def test_versions_are_immutable_and_republishing_is_idempotent(tmp_path: Path) -
     assert publish(store, better, tmp_path)["version"] == "2"
     assert Registry(store).versions("smollm2-int8") == ["1", "2"]
     assert publish(store, keys, tmp_path)["version"] == "1"  # the old content still is v1
+    # and is what consumers get again: re-running a recipe after another one (a revert)
+    assert Registry(store).latest("smollm2-int8") == "1"
+    assert publish(store, better, tmp_path)["version"] == "2"
     assert Registry(store).latest("smollm2-int8") == "2"
+
+    # a mirror: pushing an older version adds it without moving the mirror's latest back
+    mirror = Registry(LocalStore(tmp_path / "mirror"))
+    Registry(store).push("smollm2-int8@2", mirror)
+    Registry(store).push("smollm2-int8@1", mirror)
+    assert mirror.versions("smollm2-int8") == ["1", "2"] and mirror.latest("smollm2-int8") == "2"
 
     assert publish(store, keys, tmp_path, "{version: 2026.11-rc1}")["version"] == "2026.11-rc1"
     with pytest.raises(StageError, match="already exists with other content"):
         publish(store, upstream(store, kld=0.004), tmp_path, "{version: 2026.11-rc1}")
+
+
+def test_a_publish_whose_registry_moved_on_or_lost_it_is_stale(tmp_path: Path) -> None:
+    """The publish stage's effect lives in the registry: a cached publish is run again when the
+    registry's latest points elsewhere (another recipe published since) or lost it."""
+    store = LocalStore(tmp_path / "store")
+    keys = upstream(store)
+    publish(store, keys, tmp_path)
+    entry = tmp_path / "out-0"  # the first publish's output: what its cached entry holds
+    stage, published = PublishStage(), recipe()
+    assert stage.stale(published, entry, store) is None
+    publish(store, upstream(store, kld=0.005), tmp_path)  # v2 becomes latest
+    assert "latest is 2" in (stage.stale(published, entry, store) or "")
+    publish(store, keys, tmp_path)  # the revert: latest is v1 again
+    assert stage.stale(published, entry, store) is None
+    for doc in store.list_documents("registry/"):
+        (store.local_root / "docs" / doc).unlink()
+    assert "has no smollm2-int8 any more" in (stage.stale(published, entry, store) or "")
+
+
+def test_gc_keep_recipe_keeps_what_published_versions_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import SimpleNamespace
+
+    from qpipe import cli
+
+    store = LocalStore(tmp_path / "store")
+    keys = upstream(store)
+    publish(store, keys, tmp_path)
+    published = Registry(store).referenced_keys()
+    assert keys["build"] in published and keys["evaluate"] in published
+    nothing = SimpleNamespace(plan=lambda: [])  # a kept recipe that uses none of them
+    monkeypatch.setattr(cli, "_pipeline", lambda path, store: nothing)
+    gc = CliRunner().invoke(
+        cli.app, ["cache", "gc", "--keep-recipe", "r.yaml", "--store", str(store.root)]
+    )
+    assert gc.exit_code == 0, gc.output
+    assert all(store.lookup(key) is not None for key in published)
+    assert f"removed objects/{keys['convert']}" in gc.output  # what nothing names still goes
+    pulled = CliRunner().invoke(registry_app, ["pull", "smollm2-int8", "--target",
+                                               "compressed-tensors",
+                                               "--to", str(tmp_path / "pulled"),
+                                               "--store", str(store.root)])  # fmt: skip
+    assert pulled.exit_code == 0, pulled.output
 
 
 def test_failed_gates_refuse_publishing_unless_allowed_and_then_recorded(tmp_path: Path) -> None:

@@ -79,13 +79,20 @@ class Registry:
         except ValidationError as exc:
             raise RegistryError(f"{name}@{version}: unreadable manifest: {exc}") from exc
 
-    def publish(self, draft: Manifest, version: str | None = None) -> Published:
-        """Store `draft` as `version` (default: the next integer). Republishing content that an
-        existing version already holds returns that version; a given version is immutable."""
+    def publish(
+        self, draft: Manifest, version: str | None = None, make_latest: bool = True
+    ) -> Published:
+        """Store `draft` as `version` (default: the next integer) and point `latest` at it.
+        Republishing content that an existing version already holds returns that version and
+        points `latest` back at it: re-running a recipe after another one was published (a
+        revert) must give consumers that recipe's artifacts again. A given version is immutable.
+        `make_latest=False` leaves the pointer alone unless the name has none (a mirror's push
+        of an older version)."""
         existing = {v: self.read(draft.name, v) for v in self.versions(draft.name)}
         digest = draft.content_digest
         for manifest in existing.values():
             if manifest.content_digest == digest and version in (None, manifest.version):
+                self._point_latest(draft.name, manifest.version, make_latest)
                 return Published(manifest, new=False)
         if version is None:
             numbers = [int(v) for v in existing if v.isdigit()]
@@ -99,8 +106,26 @@ class Registry:
         self.store.write_document(
             manifest_doc(draft.name, version), manifest.model_dump_json(indent=2).encode()
         )
-        self.store.write_document(latest_doc(draft.name), json.dumps({"version": version}).encode())
+        self._point_latest(draft.name, version, make_latest)
         return Published(manifest, new=True)
+
+    def _point_latest(self, name: str, version: str, make_latest: bool) -> None:
+        """`latest` := version (written only when it changes: a re-run that republishes nothing
+        writes nothing); without `make_latest`, only where the name has no latest yet."""
+        current = self.latest(name)
+        if current != version and (make_latest or current is None):
+            self.store.write_document(latest_doc(name), json.dumps({"version": version}).encode())
+
+    def referenced_keys(self) -> set[str]:
+        """Every store entry a published version names (its artifacts and reports): what a
+        store's gc must keep whatever recipes it is told to keep."""
+        keys: set[str] = set()
+        for name in self.names():
+            for version in self.versions(name):
+                manifest = self.read(name, version)
+                keys |= {a.key for a in manifest.artifacts}
+                keys |= {r.key for r in (manifest.accuracy, manifest.throughput) if r is not None}
+        return keys
 
     def push(self, ref: str, target: Registry) -> Published:
         """Copy one version (manifest and every entry it names, verified) to another registry."""
@@ -114,7 +139,9 @@ class Registry:
         except CorruptEntry as exc:
             raise RegistryError(f"{name}@{manifest.version} cannot be pushed: {exc}") from exc
         copied = manifest.model_copy(update={"store": target.store.location})
-        return target.publish(copied, manifest.version)
+        # the mirror's latest follows the source's: pushing an older version adds it, and
+        # moves nothing backwards
+        return target.publish(copied, manifest.version, self.latest(name) == manifest.version)
 
     def find(
         self, ref: str, target: str, arch: str | None = None
@@ -163,7 +190,9 @@ class Registry:
         except CorruptEntry as exc:
             raise RegistryError(
                 f"{manifest.name}@{manifest.version} {target}: {exc}; the store entry must be "
-                "rebuilt (qpipe run the recipe) and republished"
+                f"rebuilt: `qpipe cache verify --quarantine --store {self.store.location}` moves "
+                "it aside, then `qpipe run RECIPE` rebuilds and republishes it (a run "
+                "of a finished recipe does not checksum its cached entries again)"
             ) from exc
         except KeyError as exc:
             raise RegistryError(

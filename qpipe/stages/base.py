@@ -112,5 +112,11 @@ class Stage(ABC):
     def check_available(self, recipe: Recipe) -> None:  # noqa: B027 - optional hook
         """Raise NotAvailable before anything runs if this recipe asks for what is not built."""
 
+    def stale(self, recipe: Recipe, entry: Path, store: Store) -> str | None:
+        """Why a cached entry (`entry`, its directory) no longer stands for what its stage did
+        outside the store, or None. Only a stage with effects elsewhere (publish: the registry)
+        has any; a stale entry runs again and replaces itself."""
+        return None
+
     @abstractmethod
     def run(self, ctx: StageContext) -> StageResult: ...

@@ -32,6 +32,26 @@ class PublishStage(Stage):
     def section(self, recipe: Recipe) -> BaseModel | None:
         return recipe.publish
 
+    def stale(self, recipe: Recipe, entry: Path, store: Store) -> str | None:
+        """The registry is outside this entry: another recipe may have moved `latest` since
+        (re-running this one must point consumers back at its artifacts), or the registry's
+        documents may be gone. Either way the publish runs again; it republishes nothing new."""
+        summary = json.loads((entry / "publish.json").read_text())
+        name, version = summary["name"], summary["version"]
+        config = recipe.publish or PublishConfig()
+        try:
+            registry = Registry(_registry_store(store, config))
+            latest = registry.latest(name)
+            if latest is None:
+                return f"the registry at {registry.store.location} has no {name} any more"
+            if latest != version:
+                return f"{name}@{version} was published here, but the registry's latest is {latest}"
+            if registry.read(name, version).content_digest != summary["content_digest"]:
+                return f"{name}@{version} in the registry no longer holds this publish"
+        except (RegistryError, StoreError) as exc:
+            return f"the registry does not have {name}@{version} any more ({exc})"
+        return None
+
     def run(self, ctx: StageContext) -> StageResult:
         config = ctx.recipe.publish or PublishConfig()
         name = config.name or ctx.recipe.name
