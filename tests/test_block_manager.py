@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qpipe.serve.block_manager import BlockManager
+from qpipe.serve.block_manager import BlockManager, chain_hash
 from qpipe.serve.sampling_params import SamplingParams
 from qpipe.serve.sequence import Sequence
 
@@ -65,6 +65,18 @@ def test_prefix_chain_depends_on_earlier_blocks() -> None:
     computed(bm, _allocated(bm, seq([1, 2, 3, 4, 5, 6, 7, 8, 9], "a")))
     b = _allocated(bm, seq([0, 0, 0, 0, 5, 6, 7, 8, 9], "b"))  # same 2nd block, other parent
     assert b.num_computed_tokens == 0
+
+
+def test_the_chain_is_a_digest_no_client_can_steer_into_a_collision() -> None:
+    """Python's hash of ints is public arithmetic modulo 2**61 - 1: two parents that differ by
+    that modulus chained to the same tokens collided, which a crafted prompt could use to be
+    served another prompt's K/V (only a block's own tokens are compared on a hit)."""
+    tokens = (5, 6, 7, 8)
+    assert hash((3, tokens)) == hash((3 + 2**61 - 1, tokens))  # what the old chain did
+    parents = [chain_hash(None, (i, 0, 0, 0)) for i in range(64)]
+    chained = {chain_hash(parent, tokens) for parent in parents}
+    assert len(chained) == len(parents) and all(len(c) == 32 for c in chained)
+    assert chain_hash(None, (1, 2)) != chain_hash(None, (1 << 32 | 1, 2))  # ids are 64-bit
 
 
 def test_lru_eviction_takes_the_oldest_free_block_and_drops_its_hash() -> None:

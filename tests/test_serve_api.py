@@ -698,6 +698,8 @@ def test_extreme_sampling_values_answer_and_leave_the_server_up(
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == greedy["choices"][0]["text"], extreme
     assert httpx.post(url, json={**body, "repetition_penalty": 1e-37}, headers=AUTH).is_success
+    huge_k = {**body, "temperature": 1.0, "top_k": 2**63, "seed": 1}  # past int64: top-k is off
+    assert httpx.post(url, json=huge_k, headers=AUTH).is_success
     assert httpx.get(f"{tiny_server.url}/health").status_code == 200
 
 
@@ -832,6 +834,11 @@ BAD_INPUTS = [
      "temperature"),
     ("infinite temperature", "/v1/completions", '{"prompt": "hi", "temperature": Infinity}', AUTH,
      400, "temperature"),
+    ("negative stop token id", "/v1/completions",
+     {"prompt": "hi", "min_tokens": 2, "max_tokens": 3, "stop_token_ids": [-100000]}, AUTH, 400,
+     "stop_token_ids"),
+    ("stop token id outside the vocabulary", "/v1/completions",
+     {"prompt": "hi", "stop_token_ids": [10**6]}, AUTH, 400, None),
     ("repetition_penalty below fp32's range", "/v1/completions",
      {"prompt": "hi", "repetition_penalty": 1e-300}, AUTH, 400, "repetition_penalty"),
     ("lone surrogate in a prompt", "/v1/completions", '{"prompt": "\\ud800 x"}', AUTH, 400, None),

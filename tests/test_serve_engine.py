@@ -429,11 +429,51 @@ def test_bad_requests_are_rejected_with_the_reason(engine: LLMEngine) -> None:
     outside = replace(GREEDY, logit_bias=((engine.vocab_size, 1.0),))
     with pytest.raises(ValueError, match="outside this model's vocabulary of 49152"):
         engine.add_request("bias", [1, 2, 3], outside)
+    # ids past the vocabulary would index out of the embedding or the logits mid-step
+    with pytest.raises(ValueError, match=r"the prompt holds token ids \[49152\]"):
+        engine.add_request("prompt", [5, engine.vocab_size, 7], GREEDY)
+    with pytest.raises(ValueError, match=r"the prompt holds token ids \[-3\]"):
+        engine.add_request("prompt", [5, -3], GREEDY)
+    with pytest.raises(ValueError, match=r"stop_token_ids holds token ids \[60000\]"):
+        engine.add_request("stop", [5], replace(GREEDY, stop_token_ids=(60000,)))
+    with pytest.raises(ValueError, match="stop_token_ids must be token ids >= 0"):
+        replace(GREEDY, stop_token_ids=(-100000,))
     engine.add_request("dup", [1, 2, 3], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("dup", [1, 2, 3], GREEDY)
     (out,) = engine.step()
     assert out.finished and out.finish_reason == "length" and out.num_prompt_tokens == 3
+    # generate() with a bad prompt leaves none of the prompts before it queued
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate([[1, 2], [3, 4], [1] * engine.max_model_len], GREEDY)
+    assert not engine.has_unfinished() and engine.stats().num_waiting == 0
+
+
+def test_a_step_that_raised_leaves_an_engine_that_says_so(tiny_llama_checkpoint: Path) -> None:
+    """A failed step published its blocks to the prefix cache and left its requests waiting for
+    a postprocess: later steps refuse, instead of rescheduling the same batch forever."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_checkpoint), dtype="float32",
+                                    kv_cache_memory_gib=0.02, max_model_len=128))  # fmt: skip
+    engine.add_request("a", [1, 2, 3], GREEDY)
+
+    def broken(batch: object) -> None:
+        raise IndexError("a kernel's bug")
+
+    engine.model_runner.run = broken  # type: ignore[method-assign]
+    with pytest.raises(IndexError):
+        engine.step()
+    for call in (engine.step, lambda: engine.add_request("b", [1], GREEDY)):
+        with pytest.raises(RuntimeError, match="create a new LLMEngine"):
+            call()
+
+
+def test_an_explicit_max_model_len_is_not_capped_to_the_default(
+    tiny_llama_checkpoint: Path,
+) -> None:
+    config = EngineConfig(model=str(tiny_llama_checkpoint), dtype="float32",
+                          kv_cache_memory_gib=0.02, max_model_len_cap=256)  # fmt: skip
+    assert LLMEngine(config).max_model_len == 256  # the default: the checkpoint's 2048, capped
+    assert LLMEngine(replace(config, max_model_len=1024)).max_model_len == 1024
 
 
 def test_auto_dtype_is_16_bit_only_where_the_hardware_multiplies_16_bit_values(

@@ -10,6 +10,8 @@ on a hit and only overwritten when a fresh block is needed.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from qpipe.serve.sequence import Sequence
@@ -21,12 +23,18 @@ class Block:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = None
+        self.hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
 
 
-def chain_hash(parent: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
-    return hash((parent, tuple(token_ids)))
+def chain_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    """sha256 over the previous block's digest and this block's token ids. Python's `hash` of
+    ints is public arithmetic modulo 2**61 - 1, so one client could craft a prefix whose chain
+    collides with another's and be served that prompt's K/V (vLLM's CVE-2025-25183). The block's
+    own tokens are compared on a hit as well, but a parent's are not."""
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class BlockManager:
@@ -37,7 +45,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order: oldest-freed first. dict keys give O(1) removal on a hit.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -58,7 +66,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         hits: list[int] = []
-        parent: int | None = None
+        parent: bytes | None = None
         for index in range((seq.num_tokens - 1) // self.block_size):
             tokens = seq.block_tokens(index, self.block_size)
             parent = chain_hash(parent, tokens)

@@ -35,7 +35,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: DEFAULT_MAX_NUM_BATCHED_TOKENS[device]
     max_model_len: int | None = None
-    max_model_len_cap: int = 8192
+    max_model_len_cap: int = 8192  # the default max_model_len's bound, not an explicit one's
     enable_prefix_caching: bool = True
     kv_cache_memory_gib: float = 2.0
     gpu_memory_utilization: float = 0.9

@@ -7,6 +7,7 @@ own loop and feeds requests in between steps, so the core never needs locks.
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -74,13 +75,15 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         self._requests: dict[str, Sequence] = {}
+        self._failed: BaseException | None = None  # a step that raised: see execute
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
         """Queue a request. Raises ValueError for an id in use, an empty prompt, a prompt that
-        leaves no room to generate within `max_model_len`, a logit bias outside the
-        vocabulary, or a structured output that does not compile."""
+        leaves no room to generate within `max_model_len`, a token id (prompt, logit bias, stop
+        id) outside the vocabulary, or a structured output that does not compile."""
+        self._check_usable()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -90,12 +93,18 @@ class LLMEngine:
                 f"request {request_id!r}: prompt has {len(prompt_token_ids)} tokens but "
                 f"max_model_len is {self.max_model_len}; shorten the prompt"
             )
-        outside = [token for token, _ in params.logit_bias if token >= self.vocab_size]
-        if outside:
-            raise ValueError(
-                f"request {request_id!r}: logit_bias names token ids {outside} outside this "
-                f"model's vocabulary of {self.vocab_size}"
-            )
+        # an id past the vocabulary would index out of the embedding or the logits mid-step
+        for field, tokens in (
+            ("the prompt", prompt_token_ids),
+            ("logit_bias", [token for token, _ in params.logit_bias]),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            outside = sorted({t for t in tokens if not 0 <= t < self.vocab_size})
+            if outside:
+                raise ValueError(
+                    f"request {request_id!r}: {field} holds token ids {outside[:8]} outside this "
+                    f"model's vocabulary of {self.vocab_size}"
+                )
         spec = params.structured_output
         seq = Sequence(
             request_id,
@@ -121,9 +130,16 @@ class LLMEngine:
     def execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Runs a batch the scheduler formed (`step` = schedule + execute; a server reads its
         queue between the two, while the batch's requests already count as running)."""
+        self._check_usable()
         if not batch.items:
             return []
-        result = self.model_runner.run(batch)
+        try:
+            result = self.model_runner.run(batch)
+        except BaseException as exc:
+            # the step published its blocks to the prefix cache before computing them, and its
+            # requests wait for a postprocess that will not come: nothing after is trustworthy
+            self._failed = exc
+            raise
         for request_id, scored in result.prompt_logprobs.items():
             seq = self._requests.get(request_id)  # None: aborted while the step ran
             if seq is not None:
@@ -150,6 +166,13 @@ class LLMEngine:
             )
         return outputs
 
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(
+                f"this engine's step failed earlier ({self._failed!r}) and left its state "
+                "undefined; create a new LLMEngine"
+            ) from self._failed
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
@@ -168,9 +191,15 @@ class LLMEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Offline batch generation: the completion token ids of each prompt, in prompt order."""
-        ids = [f"generate-{id(prompts)}-{i}" for i in range(len(prompts))]
-        for request_id, prompt in zip(ids, prompts, strict=True):
-            self.add_request(request_id, prompt, params)
+        base = uuid.uuid4().hex
+        ids = [f"generate-{base}-{i}" for i in range(len(prompts))]
+        try:
+            for request_id, prompt in zip(ids, prompts, strict=True):
+                self.add_request(request_id, prompt, params)
+        except ValueError:  # a bad prompt: the ones queued before it are not left behind
+            for request_id in ids:
+                self.abort_request(request_id)
+            raise
         completions: dict[str, list[int]] = {request_id: [] for request_id in ids}
         while any(request_id in self._requests for request_id in ids):
             for out in self.step():

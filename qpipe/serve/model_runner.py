@@ -71,8 +71,14 @@ class ModelRunner:
                 f"EngineConfig.max_model_len={config.max_model_len} exceeds the checkpoint's "
                 f"{limit_name}={limit}; lower it"
             )
-        max_len = min(config.max_model_len or limit, config.max_model_len_cap)
-        if limit_name == "sliding_window" and config.max_model_len is None:
+        # the cap bounds the default only: a max_model_len asked for is taken as asked
+        max_len = config.max_model_len or min(limit, config.max_model_len_cap)
+        if config.max_model_len is None and limit > max_len:
+            log.info(
+                "max_model_len %d (the checkpoint's %s is %d; --max-model-len raises it)",
+                max_len, limit_name, limit,
+            )  # fmt: skip
+        elif limit_name == "sliding_window" and config.max_model_len is None:
             log.info("max_model_len %d: the checkpoint's sliding attention window", max_len)
         torch.manual_seed(config.seed)
         self.model = load_model(

@@ -75,6 +75,10 @@ class SamplingParams:
             if value is not None and not 0 <= value <= 20:
                 raise ValueError(f"SamplingParams.{name} must be in [0, 20], got {value}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if any(token < 0 for token in self.stop_token_ids):
+            raise ValueError(
+                f"SamplingParams.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:

@@ -41,7 +41,7 @@ class Sequence:
         self.grammar = grammar
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # chained hashes of the full blocks registered so far
+        self.block_hashes: list[bytes] = []  # chained digests of the full blocks registered so far
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.finish_reason: FinishReason | None = None

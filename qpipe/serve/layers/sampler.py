@@ -88,7 +88,7 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])
         ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
         drop = ranks >= top_k.to(logits.device).unsqueeze(1)
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
