@@ -140,3 +140,23 @@ def test_the_default_token_budget_is_the_devices_and_covers_max_num_seqs(tmp_pat
         make(tmp_path, max_num_batched_tokens=32)
     with pytest.raises(ValueError, match=r"\(512, the cpu default\) is below max_num_seqs \(513\)"):
         make(tmp_path, max_num_seqs=513)
+
+
+def test_a_request_preempted_mid_prefill_reports_no_cached_tokens_it_computed(
+    tmp_path: Path,
+) -> None:
+    """Its own chunks registered before the preemption are hits when it is re-admitted; they
+    are not prompt tokens the prefix cache served (the usage's `cached_tokens`)."""
+    s = make(tmp_path, num_blocks=12, max_num_batched_tokens=8, max_num_seqs=4)
+    x = add(s, "x", 4, max_tokens=12)
+    run_step(s)
+    a = add(s, "a", 40, max_tokens=4)
+    for _ in range(8):  # a is preempted with 28 of its 40 tokens computed, when x needs a block
+        run_step(s)
+    assert s.num_preemptions == 1 and a.status is SequenceStatus.WAITING
+    for _ in range(16):  # x finishes, a comes back and hits its own 7 registered blocks
+        if a.status is SequenceStatus.RUNNING:
+            break
+        run_step(s)
+    assert a.status is SequenceStatus.RUNNING and a.num_computed_tokens == 28 + 8  # hits + chunk
+    assert a.num_cached_tokens == 0 and x.num_cached_tokens == 0

@@ -110,9 +110,9 @@ class Scheduler:
             if not self.block_manager.can_allocate(seq):
                 break
             self.waiting.popleft()
-            first_admission = seq.num_completion_tokens == 0 and seq.num_cached_tokens == 0
             self.block_manager.allocate(seq)
-            if first_admission:
+            if not seq.admitted:  # a re-admission's hits include the chunks it computed itself
+                seq.admitted = True
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -44,6 +44,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # chained digests of the full blocks registered so far
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.admitted = False  # scheduled once at least (a preempted request comes back)
         self.finish_reason: FinishReason | None = None
         # [None, then {token: logprob} per prompt token] as prefill chunks compute them
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
