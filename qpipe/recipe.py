@@ -73,6 +73,19 @@ class Recipe(Section):
     publish: PublishConfig | None = None
     store: StoreConfig = Field(default_factory=StoreConfig)
 
+    @field_validator("calibration", "evaluate", "bench", "publish", mode="before")
+    @classmethod
+    def _not_left_empty(cls, value: Any) -> Any:
+        """`publish:` with nothing under it is YAML's null, which reads as "no such stage": a
+        recipe that meant the stage's defaults would silently skip it. (Only a key that is
+        there is checked; an absent one is the stage turned off.)"""
+        if value is None:
+            raise ValueError(
+                "this section is empty, which turns its stage off: write `{}` after the colon "
+                "for its defaults, or remove the line"
+            )
+        return value
+
     @model_validator(mode="after")
     def _calibration_when_needed(self) -> Recipe:
         if self.quantization.needs_calibration and self.calibration is None:

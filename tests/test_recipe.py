@@ -65,6 +65,7 @@ def _replace(old: str, new: str) -> str:
 
 MALFORMED = [
     # (recipe text, substrings the message must contain)
+    (VALID + "publish:\n", ["recipes/x.yaml:13 publish:", "this section is empty", "`{}`"]),
     (
         _replace("  smoothquant_alpha: 0.5", "  smoothquant_alpha: .nan"),
         ["recipes/x.yaml:10 quantization.smoothquant_alpha:", "finite"],
