@@ -60,7 +60,10 @@ def _load(path: Path) -> Recipe:
 
 
 def _open_store(
-    location: str | None, recipe: Recipe | None = None, recipe_dir: Path | None = None
+    location: str | None,
+    recipe: Recipe | None = None,
+    recipe_dir: Path | None = None,
+    create: bool = True,
 ) -> Any:
     from qpipe.stages.base import recipe_path
     from qpipe.store.base import StoreError
@@ -72,7 +75,7 @@ def _open_store(
             endpoint = (
                 config.endpoint_url if config and (location or "").startswith("s3://") else None
             )
-            return open_store(location, endpoint_url=endpoint)
+            return open_store(location, endpoint_url=endpoint, create=create)
         location, local_cache = config.location, config.local_cache
         if recipe_dir is not None:  # a recipe's paths are relative to the recipe file
             if location is not None and not location.startswith("s3://"):
@@ -508,13 +511,9 @@ def _transfer(source_location: str | None, target_location: str | None, refs: li
     """The source is opened first and never created: a mistyped source path is an error, not a
     new empty store that copies nothing (the target may be new)."""
     from qpipe.store.base import StoreError
-    from qpipe.store.factory import open_store
     from qpipe.store.transfer import copy_entries
 
-    try:
-        source = open_store(source_location, create=False)
-    except StoreError as exc:
-        raise error(str(exc)) from exc
+    source = _open_store(source_location, create=False)
     target = _open_store(target_location)
     if source.location == target.location:
         raise error("source and target are the same store; name the other one with --to/--from")
@@ -571,18 +570,16 @@ def fit(
     gpu: Annotated[
         str, typer.Option(help="A100-40G, A100-80G, H100, H200, L40S, A10, L4, RTX4090, or GiB.")
     ] = "H100",  # fmt: skip
-    tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel GPUs.")] = 1,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel GPUs.")] = 1,
     quant: Annotated[str | None, typer.Option(help="fp32|bf16|fp16|int8|fp8|int4.")] = None,
     kv_dtype: Annotated[
         str | None,
         typer.Option(help="KV cache dtype: bf16|fp16|fp8|int8 (default: the recipe's, or bf16)."),
     ] = None,
-    group_size: Annotated[int | None, typer.Option(min=1, help="int4 group size.")] = None,
-    max_model_len: Annotated[int, typer.Option(min=1, help="Context length per sequence.")] = 8192,
-    concurrency: Annotated[int, typer.Option(min=1, help="Sequences served at once.")] = 1,
-    overhead_gib: Annotated[
-        float, typer.Option(min=0.0, help="Framework overhead per GPU (GiB).")
-    ] = 3.0,
+    group_size: Annotated[int | None, typer.Option(help="int4 group size.")] = None,
+    max_model_len: Annotated[int, typer.Option(help="Context length per sequence.")] = 8192,
+    concurrency: Annotated[int, typer.Option(help="Sequences served at once.")] = 1,
+    overhead_gib: Annotated[float, typer.Option(help="Framework overhead per GPU (GiB).")] = 3.0,
     store: StoreOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -599,8 +596,9 @@ def fit(
         report = compute_fit(
             FitRequest(
                 shape=shape, gpu_gib=gpu_gib, gpu_name=gpu_name, quant=quant or recipe_quant,
-                kv_dtype=kv_dtype or recipe_kv, group_size=group_size or recipe_group, tp=tp,
-                max_model_len=max_model_len, concurrency=concurrency, overhead_gib=overhead_gib,
+                kv_dtype=kv_dtype or recipe_kv, tp=tp, max_model_len=max_model_len,
+                group_size=recipe_group if group_size is None else group_size,
+                concurrency=concurrency, overhead_gib=overhead_gib,
             )
         )  # fmt: skip
     except FitError as exc:

@@ -185,14 +185,11 @@ def gpu_memory(gpu: str) -> tuple[str, float]:
             return name, mib / 1024
     number = normalized.removesuffix("GIB").removesuffix("G")
     try:
-        gib = float(number)
+        return f"{float(number):g} GiB", float(number)
     except ValueError:
         raise FitError(
             f"unknown GPU {gpu!r}; use one of {', '.join(GPUS_MIB)} or a size in GiB"
         ) from None
-    if not (math.isfinite(gib) and gib > 0):
-        raise FitError(f"GPU size {gpu!r} must be a positive number of GiB, e.g. 24 or 80GiB")
-    return f"{gib:g} GiB", gib
 
 
 def load_shape(path: Path) -> ModelShape:

@@ -288,7 +288,6 @@ class Pipeline:
                     "failures": list(result.gate.failures),
                     "checked": dict(result.gate.checked),
                 }
-            forced = planned.status in ("hit", "stale")
             meta = self.store.commit(
                 planned.key,
                 stage.name,
@@ -296,7 +295,7 @@ class Pipeline:
                 dict(result.metrics),
                 gate,
                 planned.key_inputs,
-                forced,
+                replace=planned.status in ("hit", "stale"),
             )
         for alias, info in result.aliases.items():
             self.store.set_alias(alias, planned.key, {"stage": stage.name, **info})

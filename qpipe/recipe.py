@@ -232,19 +232,17 @@ def _duplicate_keys(node: yaml.Node | None, source: str, path: str = "") -> list
     return problems
 
 
-def _named(text: str, source: str) -> io.StringIO:
-    """The text as a stream named `source`: PyYAML's messages then say `in "r.yaml", line 3`
-    instead of `in "<unicode string>"`."""
-    stream = io.StringIO(text)
-    stream.name = source
-    return stream
-
-
 def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
     """Validate recipe YAML text; raise RecipeError with every problem located."""
     try:
-        data = yaml.safe_load(_named(text, source))
-        root = yaml.compose(_named(text, source), Loader=yaml.SafeLoader)
+        stream = io.StringIO(text)
+        stream.name = source  # PyYAML's messages then say `in "r.yaml"`, not "<unicode string>"
+        loader = yaml.SafeLoader(stream)
+        try:  # one parse: the node tree locates problems, the data is built from it
+            root = loader.get_single_node()
+            data = loader.construct_document(root) if root is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from qpipe.fit import ModelShape, load_shape
+
 # Independent accumulators per thread, more than the FMA latency times the FMA ports (4 x 2 on
 # Zen 3/4 and recent Intel), so that the loop waits on throughput, not on a chain.
 FMA_PROBE = r"""
@@ -113,51 +115,41 @@ class LoadCost:
         return (self.products + self.lm_head + self.attention) / self.output_tokens
 
 
-def load_cost(config: dict, prompt_len: int, output_len: int) -> LoadCost:
+def load_cost(shape: ModelShape, prompt_len: int, output_len: int) -> LoadCost:
     """The arithmetic qpipe's engine does for one request: every prompt token and every output
     token but the last goes through every layer (the last token is never fed back); the last
     layer takes only the rows that are projected onto the vocabulary past attention (one per
     step: the last prompt token, then each decode); attention is causal."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
-    head_dim = config.get("head_dim") or hidden // heads
-    kv_heads = kv_heads or heads
-    layers = config["num_hidden_layers"]
-    qkv = hidden * (heads + 2 * kv_heads) * head_dim
-    rest = heads * head_dim * hidden + 3 * hidden * inter  # o_proj, gate_up, down
+    layers, hidden, head_dim = shape.num_layers, shape.hidden_size, shape.head_dim
+    per_layer = shape.linear_params // layers
+    qkv = hidden * (shape.num_heads + 2 * shape.num_kv_heads) * head_dim
+    rest = per_layer - qkv  # o_proj, gate_up, down: what the last layer skips for other rows
     fed = prompt_len + output_len - 1  # token rows through the layers
     macs = layers * qkv * fed + (layers - 1) * rest * fed + rest * output_len
     contexts = range(1, fed + 1)  # token t attends to t positions
-    attention_macs = layers * 2 * heads * head_dim * sum(contexts)
+    attention_macs = layers * 2 * shape.num_heads * head_dim * sum(contexts)
     return LoadCost(
         products=2.0 * macs,
-        lm_head=2.0 * hidden * config["vocab_size"] * output_len,
+        lm_head=2.0 * hidden * shape.vocab_size * output_len,
         attention=2.0 * attention_macs,
         output_tokens=output_len,
     )
 
 
-def check_against_weights(checkpoint: Path, config: dict) -> None:
-    """The count above assumes the Llama family's projections; a checkpoint whose linear weights
-    hold another number of parameters is not this model."""
+def check_against_weights(checkpoint: Path, shape: ModelShape) -> None:
+    """The count above assumes the Llama family's projections (`ModelShape.linear_params`); a
+    checkpoint whose linear weights hold another number of parameters is not this model."""
     counted = 0
     for path in sorted(checkpoint.glob("*.safetensors")):
         with safe_open(path, "pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no iterator)
                 if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-                    shape = f.get_slice(name).get_shape()
-                    counted += shape[0] * shape[1]
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or hidden // heads
-    expected = config["num_hidden_layers"] * (
-        hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
-    )
-    if counted != expected:
+                    rows, cols = f.get_slice(name).get_shape()
+                    counted += rows * cols
+    if counted != shape.linear_params:
         raise SystemExit(
             f"{checkpoint}: its decoder layers hold {counted:,} linear weights, the config's "
-            f"Llama shapes {expected:,}; this count does not fit the model"
+            f"Llama shapes {shape.linear_params:,}; this count does not fit the model"
         )
 
 
@@ -191,9 +183,9 @@ def main() -> None:
     parser.add_argument("--engine", action="store_true", help="run qpipe's offline engine too")
     parser.add_argument("--concurrency", type=int, default=32)
     args = parser.parse_args()
-    config = json.loads((args.checkpoint / "config.json").read_text())
-    check_against_weights(args.checkpoint, config)
-    cost = load_cost(config, args.prompt_len, args.output_len)
+    shape = load_shape(args.checkpoint)
+    check_against_weights(args.checkpoint, shape)
+    cost = load_cost(shape, args.prompt_len, args.output_len)
     threads = torch.get_num_threads()
     peak = fma_peak_gflops(threads)
     ceiling = peak * 1e9 / cost.per_output_token

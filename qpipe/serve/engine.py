@@ -99,8 +99,8 @@ class LLMEngine:
             ("logit_bias", [token for token, _ in params.logit_bias]),
             ("stop_token_ids", params.stop_token_ids),
         ):
-            outside = sorted({t for t in tokens if not 0 <= t < self.vocab_size})
-            if outside:
+            if tokens and not (min(tokens) >= 0 and max(tokens) < self.vocab_size):
+                outside = sorted({t for t in tokens if not 0 <= t < self.vocab_size})
                 raise ValueError(
                     f"request {request_id!r}: {field} holds token ids {outside[:8]} outside this "
                     f"model's vocabulary of {self.vocab_size}"

@@ -7,13 +7,16 @@ last), so a crash never leaves something that looks complete.
 from __future__ import annotations
 
 import json
+import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from qpipe.store.entry import EntryMeta
+
+log = logging.getLogger(__name__)
 
 
 class StoreError(Exception):
@@ -55,6 +58,23 @@ def parse_alias_record(where: str, data: bytes) -> dict[str, Any]:
     if not isinstance(record, dict) or not isinstance(record.get("key"), str):
         raise MalformedAlias(where, 'not a JSON object with a "key"')
     return record
+
+
+def readable_aliases(
+    names: Iterable[str], read: Callable[[str], dict[str, Any] | None]
+) -> dict[str, dict[str, Any]]:
+    """The records `read` finds for `names`; an unreadable one is logged, naming it, and left out
+    (listing must not stop at one bad file; gc removes it)."""
+    found = {}
+    for alias in names:
+        try:
+            record = read(alias)
+        except MalformedAlias as exc:
+            log.warning("warning: %s; skipping it", exc)
+            continue
+        if record is not None:
+            found[alias] = record
+    return found
 
 
 class Store(ABC):

@@ -8,7 +8,6 @@ a finished temp directory that already holds its marker, so readers see all of a
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import time
@@ -20,10 +19,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from qpipe.store.base import MalformedAlias, Store, StoreError, parse_alias_record
+from qpipe.store.base import (
+    MalformedAlias,
+    Store,
+    StoreError,
+    parse_alias_record,
+    readable_aliases,
+)
 from qpipe.store.entry import MARKER, EntryMeta, select_files, verify_files
-
-log = logging.getLogger(__name__)
 
 
 def default_home() -> Path:
@@ -247,16 +250,8 @@ class LocalStore(Store):
             return None
 
     def aliases(self) -> dict[str, dict[str, Any]]:
-        found = {}
-        for path in sorted((self.root / "aliases").glob("*.json")):
-            try:
-                record = self._alias_record(path.stem)
-            except MalformedAlias as exc:
-                log.warning("warning: %s; skipping it", exc)
-                continue
-            if record is not None:
-                found[path.stem] = record
-        return found
+        names = (path.stem for path in sorted((self.root / "aliases").glob("*.json")))
+        return readable_aliases(names, self._alias_record)
 
     def write_document(self, name: str, data: bytes) -> None:
         _write_atomic(self._doc_path(name), data)

@@ -11,7 +11,6 @@ local download cache (a LocalStore), so open() returns a directory and verifies 
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -40,7 +39,13 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from qpipe.store.base import MalformedAlias, Store, StoreError, parse_alias_record
+from qpipe.store.base import (
+    MalformedAlias,
+    Store,
+    StoreError,
+    parse_alias_record,
+    readable_aliases,
+)
 from qpipe.store.entry import (
     CorruptEntry,
     EntryMeta,
@@ -49,8 +54,6 @@ from qpipe.store.entry import (
     verify_files,
 )
 from qpipe.store.local import LocalStore
-
-log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 PROGRESS_MIN_BYTES = 32 * MiB
@@ -459,17 +462,11 @@ class S3Store(Store):
         return parse_alias_record(f"s3://{self.bucket}/{name}", data) if data is not None else None
 
     def aliases(self) -> dict[str, dict[str, Any]]:
-        found = {}
-        for obj in self._list(self._path("aliases") + "/"):
-            alias = obj["Key"].rsplit("/", 1)[-1].removesuffix(".json")
-            try:
-                record = self._alias_record(alias)
-            except MalformedAlias as exc:
-                log.warning("warning: %s; skipping it", exc)
-                continue
-            if record is not None:
-                found[alias] = record
-        return found
+        names = (
+            obj["Key"].rsplit("/", 1)[-1].removesuffix(".json")
+            for obj in self._list(self._path("aliases") + "/")
+        )
+        return readable_aliases(names, self._alias_record)
 
     def write_document(self, name: str, data: bytes) -> None:
         self._put(self._doc(name), data)

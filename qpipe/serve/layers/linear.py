@@ -47,11 +47,7 @@ class LinearBase(nn.Module):
         if not self.pack_for_cpu(batch_hint):
             return False
         packed = self.packed
-        if (
-            isinstance(packed, torch.Tensor)
-            and packed.layout is torch.strided
-            and not packed.is_mkldnn
-        ):
+        if isinstance(packed, torch.Tensor) and packed.layout is torch.strided:  # not oneDNN's
             self.packed = arena.copy_of(packed)
         return True
 
