@@ -315,15 +315,16 @@ def _exit_for(planned: list[PlannedStage], gates_allowed: bool) -> None:
 
 
 def _check_model_fit(recipe_path: Path, recipe: Recipe, pipeline: Any, forced: bool) -> None:
-    """A group size the model cannot take is a recipe error (exit 2, file:line) before convert
-    and calibrate spend minutes on it. Checked only when quantize is to run: reading a GGUF
-    header takes seconds, and a finished recipe's re-run must stay instant."""
+    """A group size the model cannot take, or a model a TensorRT-LLM checkpoint cannot hold, is
+    a recipe error (exit 2, file:line) before convert and calibrate spend minutes on it. Checked
+    only when quantize is to run: reading a GGUF header takes seconds, and a finished recipe's
+    re-run must stay instant."""
     from qpipe.quant.group_size import weight_group
     from qpipe.stages.base import StageError
     from qpipe.store.base import StoreError
 
-    if weight_group(recipe.quantization) is None:
-        return  # no groups to check: no second plan of the stages
+    if weight_group(recipe.quantization) is None and not _trtllm(recipe):
+        return  # no shape to check: no second plan of the stages
     if not forced:
         try:
             planned = pipeline.plan(until="quantize")
@@ -365,13 +366,16 @@ def recipe_validate(files: list[Path]) -> None:
 
 def _model_problem(recipe: Recipe, recipe_path: Path) -> str | None:
     """The recipe checked against the model's shape when the model is here (group size,
-    calibration window), as `file:line problem`."""
+    keep_16bit, calibration window, what a TensorRT-LLM checkpoint can hold), as `file:line
+    problem`."""
     from qpipe.calibration.seq_len import SeqLenError, check_seq_len
     from qpipe.convert import SourceError, resolve_source, source_config
     from qpipe.quant.group_size import GroupSizeError, check_group_size, weight_group
+    from qpipe.quant.keep_16bit import Keep16BitError, check_keep_16bit
 
-    grouped = weight_group(recipe.quantization) is not None
-    if not grouped and recipe.calibration is None:
+    quant = recipe.quantization
+    grouped = weight_group(quant) is not None
+    if not (grouped or quant.quantizes or recipe.calibration is not None or _trtllm(recipe)):
         return None  # nothing to check
     try:
         source = resolve_source(
@@ -380,17 +384,48 @@ def _model_problem(recipe: Recipe, recipe_path: Path) -> str | None:
     except SourceError:
         return None  # the model lives elsewhere (e.g. a GPU box's HF cache): checked at run time
     if not grouped and source.kind == "gguf":
-        return None  # reading a GGUF header takes seconds: the calibrate stage checks the window
+        return None  # reading a GGUF header takes seconds: the stages check the rest
     config = source_config(source)
     try:
-        check_group_size(config, recipe.quantization)
+        check_group_size(config, quant)
     except GroupSizeError as exc:
         return f"{locate(recipe_path, ('quantization', 'group_size'))} {exc}"
+    if quant.quantizes:
+        try:
+            check_keep_16bit(config, quant.keep_16bit)
+        except Keep16BitError as exc:
+            where = locate(recipe_path, ("quantization", "keep_16bit"))
+            return f"{where} quantization.keep_16bit: {exc}"
     if recipe.calibration is not None:
         try:
             check_seq_len(recipe.calibration.seq_len, config)
         except SeqLenError as exc:
             return f"{locate(recipe_path, ('calibration', 'seq_len'))} calibration.seq_len: {exc}"
+    if _trtllm(recipe) and "architectures" in config:  # a GGUF header names no HF class
+        return _trtllm_problem(recipe, recipe_path, config)
+    return None
+
+
+def _trtllm(recipe: Recipe) -> bool:
+    return bool({"trtllm-checkpoint", "trtllm-engine"} & set(recipe.build.targets))
+
+
+def _trtllm_problem(recipe: Recipe, recipe_path: Path, config: dict[str, Any]) -> str | None:
+    from qpipe.export.quantized_checkpoint import CheckpointFormatError
+    from qpipe.export.trtllm_checkpoint import ParallelismError, check_model_config
+    from qpipe.quant.group_size import weight_group
+
+    quant, build = recipe.quantization, recipe.build
+    int4_group = weight_group(quant) if quant.weight_bits == 4 else None
+    try:
+        check_model_config(config, build.tp, build.pp, int4_group, quant.keep_16bit)
+    except ParallelismError as exc:
+        field = "pp" if str(exc).startswith("pp=") else "tp"
+        return f"{locate(recipe_path, ('build', field))} build.{field}: {exc}"
+    except CheckpointFormatError as exc:
+        return (
+            f"{locate(recipe_path, ('build', 'targets'))} build.targets: trtllm-checkpoint: {exc}"
+        )
     return None
 
 

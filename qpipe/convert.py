@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 LOGIT_TOLERANCE = {"float32": 1e-3, "float16": 1.0, "bfloat16": 2.0}
 # Top-1 next-token agreement required alongside (16-bit may flip near-ties).
 TOP1_TOLERANCE = {"float32": 1.0, "float16": 0.9, "bfloat16": 0.85}
+# Any one of these is a tokenizer transformers can load (fast, sentencepiece, a config naming the
+# class, a BPE vocabulary); with none, it reports a missing sentencepiece, not the missing files.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
 class SourceError(Exception):
@@ -223,6 +226,11 @@ def convert_to_dir(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    if source.kind == "hf-dir" and not any((source.path / n).is_file() for n in TOKENIZER_FILES):
+        raise SourceError(
+            f"{source.path} has no tokenizer (tokenizer.json or tokenizer.model); copy the "
+            "tokenizer files next to config.json"
+        )
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(source.load_dir, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(source.load_dir, dtype=torch.float32, **kwargs)

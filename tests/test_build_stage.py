@@ -19,6 +19,7 @@ from qpipe.export.config import BuildConfig
 from qpipe.recipe import RecipeError, parse_recipe
 from qpipe.stages.base import NotAvailable, StageContext
 from qpipe.stages.build import BuildStage
+from qpipe.store.entry import MARKER
 from qpipe.store.local import LocalStore
 
 FAKE_TRTLLM_BUILD = """#!{python}
@@ -50,7 +51,8 @@ build:
 
 @pytest.fixture(scope="module")
 def quantized_tiny(tmp_path_factory: pytest.TempPathFactory, tiny_llama_checkpoint: Path) -> Path:
-    """tiny_llama as the quantize stage leaves it: int8 W8A8 compressed-tensors + tokenizer."""
+    """tiny_llama as the quantize stage leaves it in the store: int8 W8A8 compressed-tensors,
+    tokenizer, and the store's commit marker."""
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -62,6 +64,7 @@ def quantized_tiny(tmp_path_factory: pytest.TempPathFactory, tiny_llama_checkpoi
     model.save_pretrained(out, save_compressed=True)
     AutoTokenizer.from_pretrained(tiny_llama_checkpoint).save_pretrained(out)
     (out / "qpipe_quant.json").write_text(json.dumps({"method": "int8-sq"}))
+    (out / MARKER).write_text(json.dumps({"key": "0" * 64, "stage": "quantize", "files": {}}))
     return out
 
 
@@ -124,6 +127,7 @@ def test_compressed_tensors_target_loads_and_generates(
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert (package / name).is_file(), name
     assert json.loads((package / "config.json").read_text())["quantization_config"]
+    assert not (package / MARKER).exists()  # the store's marker describes its entry, not the model
     # Hard links when the store shares the filesystem: packaging copies nothing.
     assert (package / "model.safetensors").stat().st_ino == (
         quantized_tiny / "model.safetensors").stat().st_ino  # fmt: skip
@@ -233,6 +237,14 @@ def test_formats_without_trtllm_layout_are_refused_at_plan_time() -> None:
                          "build: {targets: [trtllm-engine]}\n")  # fmt: skip
     with pytest.raises(NotAvailable, match="per channel"):
         BuildStage().check_available(gptq8)
+    # The SmoothQuant plugin quantizes every decoder layer: a layer kept 16-bit has no place.
+    kept = r"keep_16bit: [lm_head, 're:model\.layers\.0\..*']"
+    sq = parse_recipe(base + f"quantization: {{method: int8-sq, {kept}}}\n"
+                      "build: {targets: [trtllm-checkpoint]}\n")  # fmt: skip
+    with pytest.raises(NotAvailable, match=r"(?s)re:model.*activations: static"):
+        BuildStage().check_available(sq)
+    static = sq.quantization.model_copy(update={"activations": "static"})
+    BuildStage().check_available(sq.model_copy(update={"quantization": static}))
     # Without a TensorRT-LLM target the same quantization builds.
     BuildStage().check_available(fp8.model_copy(update={"build": BuildConfig()}))
 

@@ -297,6 +297,20 @@ def test_too_few_usable_samples_says_why_and_what_to_do(tokenizer: Any, tmp_path
     assert f"hold {tokens} tokens, enough for {tokens // 32} packed rows" in str(error.value)
 
 
+def test_no_usable_sample_never_suggests_num_samples_0(tokenizer: Any, tmp_path: Path) -> None:
+    """num_samples must be at least 1: with nothing usable, the hint is the data."""
+    dataset = write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in sentences(3)])
+    with pytest.raises(CalibrationDataError) as error:
+        build(tokenizer, dataset, num_samples=2, seq_len=32, min_tokens=1000)
+    message = str(error.value)
+    assert message.startswith(f"{dataset}: no sample is usable (of 3 read")
+    assert "3 shorter than min_tokens=1000" in message and message.endswith("; add data")
+    with pytest.raises(CalibrationDataError) as error:  # usable, but not one packed row
+        build(tokenizer, dataset, num_samples=2, seq_len=4096, packing=True)
+    assert "enough for 0 packed rows" in str(error.value)
+    assert "to 0" not in str(error.value) and "lower seq_len, or add data" in str(error.value)
+
+
 def test_config_rejects_max_below_min() -> None:
     with pytest.raises(ValueError, match=r"max_tokens \(4\) is below min_tokens \(8\)"):
         CalibrationConfig(dataset="d.jsonl", max_tokens=4)

@@ -55,6 +55,27 @@ def test_hf_dir_rules(tmp_path: Path) -> None:
         resolve_source(f"gguf:{text_file}")
 
 
+def test_model_dir_without_a_tokenizer_says_so(tmp_path: Path) -> None:
+    """transformers would blame a missing sentencepiece; the cause is the missing files."""
+    from qpipe.recipe import parse_recipe
+    from qpipe.stages.base import StageContext, StageError
+    from qpipe.stages.convert import ConvertStage
+    from qpipe.store.local import LocalStore
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (model / "model.safetensors").write_bytes(b"")
+    recipe = parse_recipe(f"name: t\nmodel: {{source: 'dir:{model}'}}\n")
+    ctx = StageContext(recipe, tmp_path, tmp_path / "out", {}, LocalStore(tmp_path / "store"))
+    with pytest.raises(StageError) as info:
+        ConvertStage().run(ctx)
+    assert str(info.value) == (
+        f"model.source: {model} has no tokenizer (tokenizer.json or tokenizer.model); copy the "
+        "tokenizer files next to config.json"
+    )
+
+
 def test_relative_source_resolves_against_the_recipe_dir(tmp_path: Path) -> None:
     model = tmp_path / "models" / "m.gguf"
     model.parent.mkdir()

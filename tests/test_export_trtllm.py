@@ -56,7 +56,15 @@ def _schemes() -> dict[str, object]:
             A(num_bits=8, type="float", strategy="tensor", symmetric=True),
             A(num_bits=8, type="float", strategy="tensor", dynamic=False),
         ),
+        # layer 1 kept 16-bit (KEEP_LAYER_1)
+        "w8-channel-keep1": scheme(int8_w),
+        "int8-dynamic-keep1": scheme(
+            int8_w, A(num_bits=8, type="int", strategy="token", dynamic=True)
+        ),  # fmt: skip
     }
+
+
+KEEP_LAYER_1 = ["lm_head", r"re:model\.layers\.1\..*"]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +94,7 @@ def quantized(tmp_path_factory: pytest.TempPathFactory, smollm2_checkpoint: Path
         kv = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False)
         modifier = QuantizationModifier(
             config_groups={"g": scheme},
-            ignore=["lm_head"],
+            ignore=KEEP_LAYER_1 if name.endswith("-keep1") else ["lm_head"],
             kv_cache_scheme=kv if name == "fp8-kv" else None,
         )
         oneshot(
@@ -127,8 +135,8 @@ EXPECTED_ALGO = {
     "w4-group-sym": "W4A16_AWQ",
     "w8-channel": "W8A16",
 }
-WEIGHT_DTYPE = {
-    None: torch.float32, "W8A16": torch.float32, "FP8": torch.float8_e4m3fn,
+WEIGHT_DTYPE = {  # from a float32 model: the weight-only plugins run in bf16
+    None: torch.float32, "W8A16": torch.bfloat16, "FP8": torch.float8_e4m3fn,
     "W4A16_AWQ": torch.int8,
     "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN": torch.int8,
     "W8A8_SQ_PER_CHANNEL": torch.int8,
@@ -214,7 +222,9 @@ def test_checkpoint_format_and_dequantized_weights(
     assert (config["architecture"], config["num_attention_heads"], config["num_key_value_heads"],
             config["hidden_size"], config["intermediate_size"], config["vocab_size"]) == (
         "LlamaForCausalLM", HEADS, KV_HEADS, HIDDEN, INTER, VOCAB)  # fmt: skip
-    assert quant["exclude_modules"] == (["lm_head"] if algo else None)
+    # TensorRT-LLM's defaults restated: its list is replaced by this one, not added to.
+    assert quant["exclude_modules"] == (["*lm_head", "*vocab_embedding"] if algo else None)
+    assert config["dtype"] == ("bfloat16" if algo in ("W8A16", "W4A16_AWQ") else "float32")
     zero = scheme == "w4-group-asym"
     assert quant["has_zero_point"] is zero
     if algo == "W4A16_AWQ":
@@ -250,6 +260,10 @@ def test_checkpoint_format_and_dequantized_weights(
             if algo == "FP8":  # requantized to one scale per layer: within fp8 rounding
                 scale = float(ranks[0][f"transformer.layers.{layer}.mlp.fc.weights_scaling_factor"])
                 assert ((weight - ref).abs() <= ref.abs() / 16 + 4 * scale * 2**-9).all(), name
+            elif algo == "W8A16":  # bf16 weights: within one bf16 rounding
+                assert ((weight - ref).abs() <= ref.abs() * 2**-8).all(), name
+            elif zero:  # the zero points (-zero * scale) are bf16
+                assert ((weight - ref).abs() <= ref.abs().max() * 2**-8).all(), name
             else:
                 torch.testing.assert_close(weight, ref, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -304,9 +318,81 @@ def test_refusals_name_the_fix(quantized: dict, tmp_path: Path) -> None:
         write_trtllm_checkpoint(quantized["none"][0], tmp_path / "c", pp=3)
     # int4 groupwise layers must be multiples of max(64, group) * tp (no channel-moving padding):
     # SmolLM2's 576 hidden features with group 128 are not.
-    with pytest.raises(CheckpointFormatError, match="use a smaller group_size"):
+    with pytest.raises(CheckpointFormatError, match="use group_size: 64$"):
         check_groupwise_shape("transformer.layers.0.attention.qkv", 576, 960, 128, 1)
     check_groupwise_shape("transformer.layers.0.attention.qkv", 576, 960, 64, 3)
+    # A smaller group cannot help below 64: the tps that fit are named.
+    with pytest.raises(CheckpointFormatError, match=r"use build.tp in \{1, 3\}$"):
+        check_groupwise_shape("transformer.layers.0.attention.qkv", 576, 960, 64, 4)
+
+
+def test_kept_layers_are_excluded_as_tensorrt_llm_matches(quantized: dict, tmp_path: Path) -> None:
+    """A layer kept 16-bit is named in exclude_modules so that TensorRT-LLM's fnmatch finds it both
+    as a module (quantize_layers) and as a weight (weight_only_quantize_dict), the embedding and
+    lm_head stay excluded, and its weights are written 16-bit."""
+    from fnmatch import fnmatchcase
+
+    written = write_trtllm_checkpoint(quantized["w8-channel-keep1"][0], tmp_path / "ckpt")
+    patterns = written.config["quantization"]["exclude_modules"]
+    assert written.quant_algo == "W8A16"
+
+    def excluded(name: str) -> bool:
+        return any(fnmatchcase(name, p) for p in patterns)
+
+    tensors = load_file(written.rank_files[0])
+    for linear in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj"):
+        assert excluded(f"transformer.layers.1.{linear}")
+        assert excluded(f"transformer.layers.1.{linear}.weight")
+        assert not excluded(f"transformer.layers.0.{linear}")
+        assert not excluded(f"transformer.layers.0.{linear}.weight")
+    assert excluded("lm_head") and excluded("transformer.vocab_embedding")
+    assert not excluded("transformer.layers.10.attention.qkv.weight")  # layers.1 is not a prefix
+    assert tensors["transformer.layers.1.attention.qkv.weight"].dtype == torch.bfloat16
+
+
+def test_tensorrt_llm_cannot_hold_these_exclusions(quantized: dict, tmp_path: Path) -> None:
+    # The SmoothQuant plugin replaces every decoder layer and never reads exclude_modules.
+    with pytest.raises(CheckpointFormatError, match="activations: static"):
+        write_trtllm_checkpoint(quantized["int8-dynamic-keep1"][0], tmp_path / "a")
+    # Per-stage layer names under one config: stage 0 keeps none, stage 1 its layer 0.
+    with pytest.raises(CheckpointFormatError, match="or use build.pp: 1"):
+        write_trtllm_checkpoint(quantized["w8-channel-keep1"][0], tmp_path / "b", pp=2)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_weight_only_dtype_follows_the_gpu(quantized: dict, tmp_path: Path) -> None:
+    """fp16 before sm80 (no bf16 tensor cores), bf16 from it; 16-bit models keep their dtype."""
+    src = quantized["w4-group-asym"][0]
+    pre_ampere = write_trtllm_checkpoint(src, tmp_path / "sm75", arch="sm75")
+    hopper = write_trtllm_checkpoint(src, tmp_path / "sm90", arch="sm90")
+    kept = write_trtllm_checkpoint(src, tmp_path / "f16", dtype="float16", arch="sm90")
+    assert (pre_ampere.config["dtype"], hopper.config["dtype"], kept.config["dtype"]) == (
+        "float16", "bfloat16", "float16")  # fmt: skip
+    zero = load_file(pre_ampere.rank_files[0])["transformer.layers.0.mlp.fc.zero"]
+    assert zero.dtype == torch.float16
+
+
+def test_fp8_requantize_error_is_reported(quantized: dict, tmp_path: Path) -> None:
+    """Per-channel FP8 scales become one per linear: the writer reports the largest relative
+    weight error this adds to the evaluated weights, as measured here from the written tensors."""
+    src, reference = quantized["fp8-static"]
+    written = write_trtllm_checkpoint(src, tmp_path / "ckpt")
+    ranks = [load_file(f) for f in written.rank_files]
+    errors = []
+    for layer in range(LAYERS):
+        gathered = _gather(ranks, layer, "FP8", 1)
+        hf = f"model.layers.{layer}"
+        fused = {
+            "qkv": [f"{hf}.self_attn.{n}_proj.weight" for n in "qkv"],
+            **{n: [f"{hf}.{n}.weight"] for n in ("self_attn.o_proj", "mlp.gate_proj",
+                                                  "mlp.up_proj", "mlp.down_proj")},
+        }  # fmt: skip
+        for names in fused.values():
+            engine = torch.cat([gathered[n] for n in names])
+            ref = torch.cat([reference[n].float() for n in names])
+            errors.append(float((engine - ref).norm() / ref.norm()))
+    assert written.requantize_error > 0
+    assert written.requantize_error == pytest.approx(max(errors), rel=1e-4)
 
 
 def test_pipeline_parallel_splits_layers(quantized: dict, tmp_path: Path) -> None:

@@ -186,6 +186,27 @@ def test_group_size_fails_before_loading_weights(tmp_path: Path, smollm2_checkpo
         run_stage(tmp_path, fake, tmp_path / "cal", "{method: awq}")  # no weights there at all
 
 
+def test_calibration_of_one_token_samples_says_what_to_change(
+    tmp_path: Path, tiny_llama_checkpoint: Path
+) -> None:
+    """Samples that tokenize to one token each leave the probe no window with a next token."""
+    from safetensors.torch import save_file
+
+    fake = tmp_path / "ckpt"
+    fake.mkdir()
+    (fake / "config.json").write_text((tiny_llama_checkpoint / "config.json").read_text())
+    calibration = tmp_path / "cal"
+    calibration.mkdir()
+    ids = torch.tensor([[5, 2, 2], [7, 2, 2]])
+    save_file(
+        {"input_ids": ids, "attention_mask": (ids != 2).long()},
+        calibration / "calibration.safetensors",
+    )
+    with pytest.raises(StageError, match="no sample has two or more tokens") as info:
+        run_stage(tmp_path, fake, calibration, "{method: int8-sq}")  # no weights: fails first
+    assert "longer samples" in str(info.value) and "calibration.seq_len" in str(info.value)
+
+
 def test_auto_keep_records_blocks_and_reason(
     tmp_path: Path, tiny_llama_checkpoint: Path, tiny_calibration: Path
 ) -> None:
@@ -398,3 +419,27 @@ def test_smollm2_kv_scales_are_measured_after_rope_on_the_calibration_set(
     quantized = AutoModelForCausalLM.from_pretrained(out).eval()
     measured = compare(smol_reference["logprobs"], quantized, smol_reference["windows"])
     assert measured.perplexity < PPL_BOUND["int8-sq"] * smol_reference["perplexity"]
+
+
+def test_method_none_leaves_the_convert_entry_intact(tmp_path: Path) -> None:
+    """Method none hard-links the convert entry's files into its own. The store's marker was among
+    them, and the quantize commit wrote its marker through the link: the convert entry then
+    claimed to be the quantize entry and failed verification, so convert ran again."""
+    from qpipe.stages.quantize import _link_or_copy
+    from qpipe.store.entry import MARKER
+
+    store = LocalStore(tmp_path / "store")
+    convert_key, quantize_key = "c" * 64, "d" * 64
+    with store.writer(convert_key, "convert") as out:
+        (out / "config.json").write_text("{}")
+        store.commit(convert_key, "convert", out, {}, None, {})
+    convert = store.open(convert_key)
+    with store.writer(quantize_key, "quantize") as out:
+        _link_or_copy(convert, out)
+        assert not (out / MARKER).exists()
+        os.link(convert / MARKER, out / MARKER)  # any hard-linked marker: the store's own guard
+        store.commit(quantize_key, "quantize", out, {}, None, {})
+    assert store.lookup(convert_key).stage == "convert"
+    assert store.lookup(quantize_key).stage == "quantize"
+    for key in (convert_key, quantize_key):
+        assert (store.open(key, verify=True) / "config.json").read_text() == "{}"

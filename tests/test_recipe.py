@@ -130,6 +130,14 @@ MALFORMED = [
         _replace("  num_samples: 8", "  num_samples: 8\n  seq_len: 100000000"),
         ["recipes/x.yaml:8 calibration.seq_len: 100000000 is longer than any model's context"],
     ),
+    (
+        _replace("  num_samples: 8", "  num_samples: 8\n  seq_len: 1"),
+        ["recipes/x.yaml:8 calibration.seq_len:", "greater than or equal to 2"],
+    ),
+    (
+        _replace("  smoothquant_alpha: 0.5", "  auto_keep_16bit: {max_kld: 0.1, seq_len: 1}"),
+        ["recipes/x.yaml:10 quantization.auto_keep_16bit.seq_len:", "greater than or equal to 2"],
+    ),
 ]
 
 
@@ -266,3 +274,61 @@ def test_plan_and_run_refuse_a_missing_data_file_as_validate_does(
         result = CliRunner().invoke(app, [*command, str(recipe)])
         assert result.exit_code == 2, (command, result.output)
         assert "data.jsonl does not exist" in " ".join(result.output.split())
+
+
+def test_model_checks_before_any_stage_runs(tiny_llama_checkpoint: Path, tmp_path: Path) -> None:
+    """keep_16bit entries that match no linear (llm-compressor would skip them silently), and
+    models a TensorRT-LLM checkpoint cannot hold, fail `recipe validate` and `run` at file:line
+    with the fix, not after convert, calibrate and quantize (tiny model: 4 heads, hidden 64)."""
+    (tmp_path / "data.jsonl").write_text('{"text": "a sample"}\n')
+    recipe = tmp_path / "r.yaml"
+
+    def problem(quantization: str, build: str) -> str:
+        text = VALID.replace("gguf:model.gguf", str(tiny_llama_checkpoint))
+        text = text.replace("  method: int8-sq\n  smoothquant_alpha: 0.5\n", quantization)
+        recipe.write_text(text.replace("  targets: [compressed-tensors]\n", build))
+        result = CliRunner().invoke(app, ["recipe", "validate", str(recipe)])
+        return " ".join(result.output.split()) if result.exit_code else ""
+
+    static = "  method: int8-sq\n"
+    trtllm = "  targets: [trtllm-checkpoint]\n"
+    typo = static + "  keep_16bit: [lm_head, model.layers.0.self_attn.qproj]\n"
+    assert problem(typo, trtllm).startswith(
+        f"{recipe}:10 quantization.keep_16bit: 'model.layers.0.self_attn.qproj' matches none of "
+        "the model's linear layers; did you mean 'model.layers.0.self_attn.q_proj'?"
+    )
+    assert not problem(
+        static + r"  keep_16bit: [lm_head, 're:model\.layers\.1\..*']" + "\n", trtllm
+    )
+    assert problem(static, trtllm + "  tp: 3\n").startswith(
+        f"{recipe}:12 build.tp: tp=3 does not divide the model's 4 attention heads"
+    )
+    # int4 groups of 64 over 2 ranks: TensorRT-LLM would pad the 64 hidden features to 128
+    awq = "  method: awq\n  group_size: 64\n"
+    assert "build.targets: trtllm-checkpoint: transformer.layers.0.attention.qkv" in problem(
+        awq, trtllm + "  tp: 2\n"
+    )
+    assert "use build.tp in {1}" in problem(awq, trtllm + "  tp: 2\n")
+    assert not problem(awq, "  targets: [compressed-tensors]\n  tp: 2\n")
+
+    # `qpipe run` refuses the same recipe before convert writes anything
+    problem(static, trtllm + "  tp: 3\n")
+    store = tmp_path / "store"
+    run = CliRunner().invoke(app, ["run", str(recipe), "--store", str(store)])
+    assert run.exit_code == 2, run.output
+    assert "build.tp: tp=3 does not divide" in " ".join(run.output.split())
+    assert not (store / "objects").exists() or not any((store / "objects").iterdir())
+
+    # linear biases (Qwen2-style attention_bias) have no place in the writer's layout
+    biased = tmp_path / "biased"
+    biased.mkdir()
+    for source in tiny_llama_checkpoint.iterdir():
+        (biased / source.name).symlink_to(source)
+    config = json.loads((tiny_llama_checkpoint / "config.json").read_text())
+    (biased / "config.json").unlink()
+    (biased / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    text = VALID.replace("gguf:model.gguf", str(biased))
+    recipe.write_text(text.replace("  targets: [compressed-tensors]\n", trtllm))
+    result = CliRunner().invoke(app, ["recipe", "validate", str(recipe)])
+    assert result.exit_code == 2
+    assert "linears have biases (attention_bias/mlp_bias)" in " ".join(result.output.split())

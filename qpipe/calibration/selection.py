@@ -98,12 +98,15 @@ def _shortfall(source: str, config: CalibrationConfig, counts: Selection, tokens
     if config.max_tokens is not None:
         why += f", {counts.too_long} longer than max_tokens={config.max_tokens}"
     usable = len(counts.kept)
+    if usable == 0:  # NOTE: no lower num_samples helps: it must be at least 1
+        return f"{source}: no sample is usable ({why}); add data"
     if config.packing:
         rows = tokens // config.seq_len
+        lower = f"num_samples to {rows} or seq_len" if rows else "seq_len"
         return (
             f"{source}: the {usable} usable samples hold {tokens} tokens, enough for {rows} packed "
             f"rows of seq_len={config.seq_len}, but calibration.num_samples asks for "
-            f"{config.num_samples} ({why}); lower num_samples to {rows} or seq_len, or add data"
+            f"{config.num_samples} ({why}); lower {lower}, or add data"
         )
     return (
         f"{source}: only {usable} usable samples, calibration.num_samples asks for "

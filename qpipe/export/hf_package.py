@@ -11,6 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
+from qpipe.store.entry import MARKER
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
@@ -26,7 +28,10 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def package_checkpoint(src: Path, out: Path) -> list[str]:
-    """Place `src`'s checkpoint files in `out`; return the file names."""
+    """Place `src`'s checkpoint files in `out`; return the file names.
+
+    `src` is the quantize stage's store entry: its commit marker describes that entry, not the
+    model, so it stays behind."""
     if not (src / "config.json").is_file() or not list(src.glob("*.safetensors")):
         raise PackageError(f"{src}: not a safetensors checkpoint (config.json, *.safetensors)")
     if not any((src / name).is_file() for name in TOKENIZER_FILES):
@@ -35,7 +40,7 @@ def package_checkpoint(src: Path, out: Path) -> list[str]:
             "save the tokenizer with the weights"
         )
     out.mkdir(parents=True, exist_ok=True)
-    for file in sorted(p for p in src.iterdir() if p.is_file()):
+    for file in sorted(p for p in src.iterdir() if p.is_file() and p.name != MARKER):
         _link_or_copy(file, out / file.name)
     if not (out / "generation_config.json").is_file():
         from transformers import AutoConfig, GenerationConfig

@@ -1,7 +1,9 @@
 """Write a TensorRT-LLM checkpoint (config.json + rank{N}.safetensors) for a Llama-family model.
 
 The source is qpipe's quantized checkpoint (compressed-tensors, or plain 16-bit for method none),
-so the engine gets exactly the integers and scales that qpipe evaluated. Names, fusion and
+so the engine gets the integers and scales that qpipe evaluated, except where TensorRT-LLM's
+layout has no place for them: FP8 keeps one weight scale per fused linear, and W8A16/W4A16 are
+rounded again by trtllm-build (qpipe/export/trtllm_quant.py says how). Names, fusion and
 sharding follow TensorRT-LLM's documented format (docs/source/architecture/checkpoint.md) and its
 Llama converter (tensorrt_llm/models/llama/convert.py, tensorrt_llm/models/convert_utils.py):
 
@@ -38,10 +40,13 @@ from qpipe.export.trtllm_quant import (
     SQ_PER_TOKEN,
     QuantLayout,
     check_groupwise_shape,
+    checkpoint_dtype,
     choose_layout,
+    fp8_requantize_error,
     linear_tensors,
 )
 from qpipe.fit import FitError, ModelShape
+from qpipe.quant.group_size import matches_any
 
 ARCHITECTURES = ("LlamaForCausalLM",)
 # TensorRT-LLM linear -> the HF linears it holds (fused in order).
@@ -120,6 +125,37 @@ class LlamaShape(ModelShape):
         return torch.cat([torch.arange(h * self.head_dim, (h + 1) * self.head_dim) for h in heads])
 
 
+def check_model_config(
+    config: dict[str, Any], tp: int, pp: int, int4_group: int | None, keep_16bit: list[str]
+) -> None:
+    """What writing the checkpoint would refuse about the model, read from its config.json, so
+    that a recipe fails before convert, calibrate and quantize spend their time: the
+    architecture, the tp/pp split, linear biases and (int4 groups) TensorRT-LLM's padding rule."""
+    shape = LlamaShape.from_config(config)
+    shape.check_parallel(tp, pp)
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise CheckpointFormatError(
+            "the model's linears have biases (attention_bias/mlp_bias), which qpipe's TensorRT-LLM "
+            "checkpoint writer does not support; drop trtllm-checkpoint/trtllm-engine from "
+            "build.targets"
+        )
+    if int4_group is None:
+        return
+    h, attn = shape.hidden_size, shape.num_heads * shape.head_dim
+    qkv = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+    inter = shape.intermediate_size
+    features = {  # TensorRT-LLM linear: (in, out), unsharded
+        "attention.qkv": (h, qkv), "attention.dense": (attn, h),
+        "mlp.fc": (h, inter), "mlp.gate": (h, inter), "mlp.proj": (inter, h),
+    }  # fmt: skip
+    for layer in range(shape.num_layers):
+        for tllm, hf_names in LINEARS.items():
+            if not matches_any(f"model.layers.{layer}.{hf_names[0]}", keep_16bit):
+                in_f, out_f = features[tllm]
+                check_groupwise_shape(f"transformer.layers.{layer}.{tllm}", in_f, out_f,
+                                      int4_group, tp)  # fmt: skip
+
+
 def _shard_rows(tensor: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     """Vocab-parallel split (zero rows pad the vocab to a multiple of tp)."""
     pad = -tensor.shape[0] % tp
@@ -190,6 +226,9 @@ def checkpoint_config(
 class TrtllmCheckpoint:
     path: Path
     config: dict[str, Any]
+    # FP8: the largest relative weight error that one scale per linear adds to what was evaluated
+    # (0.0 when every fused linear had one per-tensor scale already)
+    requantize_error: float = 0.0
 
     @property
     def quant_algo(self) -> str | None:
@@ -202,10 +241,12 @@ class TrtllmCheckpoint:
 
 
 class _Writer:
-    def __init__(self, src: QuantizedCheckpoint, shape: LlamaShape, dtype: torch.dtype, tp: int):
-        self.src, self.shape, self.dtype, self.tp = src, shape, dtype, tp
+    def __init__(self, src: QuantizedCheckpoint, shape: LlamaShape, dtype: str, tp: int, arch: str):
+        self.src, self.shape, self.tp = src, shape, tp
         self.layout = self._find_layout()
-        self.excluded: list[str] = []
+        self.dtype_name = checkpoint_dtype(self.layout.quant_algo, dtype, arch)
+        self.dtype: torch.dtype = getattr(torch, self.dtype_name)
+        self.requantized: list[float] = []
 
     def _find_layout(self) -> QuantLayout:
         """The algorithm of the first layer with quantized linears (16-bit layers are excluded)."""
@@ -223,10 +264,53 @@ class _Writer:
             for tllm, hf_names in LINEARS.items()
         }
 
+    def kept_16bit(self, layer: int) -> list[str]:
+        """The TensorRT-LLM linears of `layer` that a quantized checkpoint leaves 16-bit."""
+        if self.layout.quant_algo is None:
+            return []
+        return [
+            tllm
+            for tllm, hf_names in LINEARS.items()
+            if not self.src.has(f"model.layers.{layer}.{hf_names[0]}.weight_scale")
+        ]
+
+    def exclude_modules(self, pp: int) -> list[str] | None:
+        """exclude_modules of the config: TensorRT-LLM replaces its default list (lm_head, the
+        vocab embedding, ...) with this one and matches it with fnmatch against both module names
+        (`quantize_layers`) and weight names (`weight_only_quantize_dict`), so it restates the
+        defaults a Llama needs and ends each 16-bit linear with `*`. Layers are named per pipeline
+        stage, and one config serves every stage: each must keep the same local layers 16-bit."""
+        if self.layout.quant_algo is None:
+            return None
+        per_stage = self.shape.num_layers // pp
+        stages = [
+            [f"transformer.layers.{local}.{tllm}*"
+             for local in range(per_stage) for tllm in self.kept_16bit(stage * per_stage + local)]
+            for stage in range(pp)
+        ]  # fmt: skip
+        if stages[0] and self.layout.quant_algo == SQ_PER_TOKEN:
+            raise CheckpointFormatError(
+                f"{stages[0][0].removesuffix('*')} is kept 16-bit, which TensorRT-LLM's "
+                f"SmoothQuant plugin ({SQ_PER_TOKEN}) cannot hold: it quantizes every decoder "
+                "layer and ignores exclude_modules. Quantize with activations: static "
+                "(W8A8_SQ_PER_CHANNEL honours exclusions), or keep only lm_head 16-bit "
+                "(quantization.keep_16bit: [lm_head], no auto_keep_16bit)"
+            )
+        if any(stage != stages[0] for stage in stages):
+            raise CheckpointFormatError(
+                f"pp={pp}: the pipeline stages keep different layers 16-bit, and TensorRT-LLM "
+                "names layers per stage with one exclude_modules for all; keep the same layers "
+                "of each stage 16-bit, or use build.pp: 1"
+            )
+        return ["*lm_head", "*vocab_embedding", *stages[0]]
+
     def layer_tensors(self, layer: int, local: int) -> list[dict[str, torch.Tensor]]:
-        linears = self.layer_linears(layer)
-        flat = [lin for parts in linears.values() for lin in parts]
-        layout = choose_layout(flat, self.src.kv_cache_type)
+        try:
+            linears = self.layer_linears(layer)
+            flat = [lin for parts in linears.values() for lin in parts]
+            layout = choose_layout(flat, self.src.kv_cache_type)
+        except CheckpointFormatError as exc:
+            raise CheckpointFormatError(f"model.layers.{layer}: {exc}") from exc
         if layout.quant_algo is not None and (
             layout.quant_algo != self.layout.quant_algo
             or layout.group_size != self.layout.group_size
@@ -247,20 +331,23 @@ class _Writer:
         for rank in range(self.tp):
             tensors = dict(norms)
             for tllm, parts in linears.items():
-                if parts[0].kind == "dense" and self.layout.quant_algo is not None:
-                    self._exclude(f"transformer.layers.{layer}.{tllm}")
                 if rank == 0 and self.layout.quant_algo == "W4A16_AWQ":
                     out_features = sum(p.out_features for p in parts)
                     check_groupwise_shape(
                         f"{name}.{tllm}", parts[0].in_features, out_features,
                         self.layout.group_size, self.tp,
                     )  # fmt: skip
-                sharded = shard_linear(tllm, parts, self.shape, self.tp, rank)
-                tensors.update(
-                    linear_tensors(
-                        f"{name}.{tllm}", sharded, self.layout, self.dtype, tllm in ROW_PARALLEL
-                    )
+                try:
+                    sharded = shard_linear(tllm, parts, self.shape, self.tp, rank)
+                except CheckpointFormatError as exc:
+                    raise CheckpointFormatError(f"model.layers.{layer}: {exc}") from exc
+                module = f"{name}.{tllm}"
+                written = linear_tensors(
+                    module, sharded, self.layout, self.dtype, tllm in ROW_PARALLEL
                 )
+                if self.layout.quant_algo == "FP8":
+                    self.requantized.append(fp8_requantize_error(sharded, written, module))
+                tensors.update(written)
             tensors.update(self._activation_quantizers(name))
             if self.layout.kv_cache_quant_algo is not None:
                 kv_scale = self.src.kv_cache_scale(layer)
@@ -276,10 +363,6 @@ class _Writer:
             f"{name}.input_layernorm.scale_to_int": torch.ones(1, dtype=torch.float32),
             f"{name}.post_layernorm.scale_to_int": torch.ones(1, dtype=torch.float32),
         }
-
-    def _exclude(self, module: str) -> None:
-        if module not in self.excluded:
-            self.excluded.append(module)
 
     def _dense(self, prefix: str) -> torch.Tensor:
         return self.src.tensor(f"{prefix}.weight").to(self.dtype).contiguous()
@@ -297,17 +380,18 @@ class _Writer:
 
 
 def write_trtllm_checkpoint(
-    src: Path, out: Path, tp: int = 1, pp: int = 1, dtype: str | None = None
+    src: Path, out: Path, tp: int = 1, pp: int = 1, dtype: str | None = None, arch: str = ""
 ) -> TrtllmCheckpoint:
-    """Write `out`/config.json and rank{N}.safetensors from the checkpoint at `src`."""
+    """Write `out`/config.json and rank{N}.safetensors from the checkpoint at `src`. `arch` (the
+    build's sm version) picks fp16 over bf16 where a float32 model must go 16-bit."""
     from rich.progress import Progress
     from safetensors.torch import save_file
 
     checkpoint = QuantizedCheckpoint(src)
     shape = LlamaShape.from_config(checkpoint.config)
     shape.check_parallel(tp, pp)
-    dtype_name = dtype or checkpoint.dtype
-    writer = _Writer(checkpoint, shape, getattr(torch, dtype_name), tp)
+    writer = _Writer(checkpoint, shape, dtype or checkpoint.dtype, tp, arch)
+    exclude_modules = writer.exclude_modules(pp)
     per_stage = shape.num_layers // pp
     out.mkdir(parents=True, exist_ok=True)
     with Progress(transient=True) as progress:
@@ -326,10 +410,9 @@ def write_trtllm_checkpoint(
                     tensors["transformer.ln_f.weight"] = writer._dense("model.norm")
                     tensors["lm_head.weight"] = writer.lm_head(rank)
                 save_file(tensors, out / f"rank{stage * tp + rank}.safetensors")
-    layout = writer.layout
-    excluded = (["lm_head"] if layout.quant_algo else []) + writer.excluded
     config = checkpoint_config(
-        checkpoint.config, shape, dtype_name, tp, pp, layout.to_config(excluded)
-    )
+        checkpoint.config, shape, writer.dtype_name, tp, pp,
+        writer.layout.to_config(exclude_modules),
+    )  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    return TrtllmCheckpoint(out, config)
+    return TrtllmCheckpoint(out, config, max(writer.requantized, default=0.0))

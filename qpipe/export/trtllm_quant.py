@@ -8,7 +8,10 @@ the SmoothQuant writer in `tensorrt_llm/models/llama/convert.py` (`get_tllm_line
     (none), W8A16, W4A16   weight [out, in] in the model dtype. For W8A16/W4A16 trtllm-build
                            quantizes per channel itself (`weight_only_quantize_dict`): their int
                            layout is interleaved for the build GPU, so a portable checkpoint holds
-                           the (dequantized) 16-bit weights.
+                           the (dequantized) 16-bit weights. trtllm-build rounds them to its own
+                           grid (max/127), so the engine's integers are not exactly the evaluated
+                           ones (GPTQ's rounding choices are redone). The weight-only GEMM plugins
+                           take fp16/bf16 activations only: see `checkpoint_dtype`.
     W8A8_SQ_PER_CHANNEL    (static activations; ModelOpt's int8_sq layout, Int8SmoothQuantLinear)
                            weight int8 [out, in]; weights_scaling_factor f32 [out];
                            activation_scaling_factor f32 [1] (input scale); prequant_scaling_factor
@@ -18,8 +21,10 @@ the SmoothQuant writer in `tensorrt_llm/models/llama/convert.py` (`get_tllm_line
                            per_channel_scale f32 [1, out]; row-parallel layers add smoother f32
                            [1, in] (ones); the layer norms carry scale_to_int f32 [1] = 1.0.
     FP8                    weight float8_e4m3fn [out, in]; weights_scaling_factor f32 [1];
-                           activation_scaling_factor f32 [1] (static only). Per-channel scales
-                           are requantized to the layer's max scale (as ModelOpt does for qkv).
+                           activation_scaling_factor f32 [1] (static only). Per-channel scales,
+                           and q/k/v's three per-tensor scales in the fused qkv, are requantized
+                           to the layer's max scale (as ModelOpt does for qkv); the writer
+                           reports the weight error that adds (`fp8_requantize_error`).
     W4A16_AWQ              weight int8 [out/2, in]: two signed int4 of neighbouring output
                            channels per byte, even channel in the low nibble (ModelOpt's packing,
                            `modelopt/torch/export/quant_utils.py`); trtllm-build transposes and
@@ -42,6 +47,7 @@ FP8_MAX = 448.0
 SQ_PER_TOKEN = "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
 SQ_STATIC = "W8A8_SQ_PER_CHANNEL"
 FLOAT_WEIGHTS = (None, "W8A16", "W4A16")
+WEIGHT_ONLY = ("W8A16", "W4A16", "W4A16_AWQ")
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,29 @@ class QuantLayout:
             "pre_quant_scale": self.pre_quant_scale,
             "exclude_modules": exclude_modules or None,
         }
+
+
+def checkpoint_dtype(quant_algo: str | None, dtype: str, arch: str) -> str:
+    """The checkpoint's dtype (its activations'). TensorRT-LLM's weight-only GEMM plugins
+    (WeightOnlyQuantMatmulPlugin, WeightOnlyGroupwiseQuantMatmulPlugin) take fp16 or bf16 only, so
+    a float32 model (qpipe's CPU recipes) goes to bf16 for them, or to fp16 before sm80, which has
+    no bf16 tensor cores."""
+    if quant_algo not in WEIGHT_ONLY or dtype in ("float16", "bfloat16"):
+        return dtype
+    version = arch.lower().removeprefix("sm")
+    return "float16" if version.isdigit() and int(version) < 80 else "bfloat16"
+
+
+def fp8_requantize_error(
+    linear: QuantizedLinear, written: dict[str, torch.Tensor], name: str
+) -> float:
+    """Relative weight error (Frobenius) of the FP8 tensors written for `name` against `linear`
+    as evaluated: nonzero when its scales (per channel, or q/k/v's three) became one."""
+    if linear.scale is None or bool((linear.scale == linear.scale.flatten()[0]).all()):
+        return 0.0
+    reference = linear.dequantize().float()
+    engine = written[f"{name}.weight"].float() * written[f"{name}.weights_scaling_factor"]
+    return float((engine - reference).norm() / reference.norm().clamp_min(1e-30))
 
 
 def choose_layout(linears: list[QuantizedLinear], kv_cache: str | None) -> QuantLayout:
@@ -123,13 +152,24 @@ def check_groupwise_shape(
 ) -> None:
     """TensorRT-LLM pads groupwise layers to multiples of max(64, group) * tp, moving channels
     between ranks (WeightOnlyGroupwiseQuantLinear); a checkpoint must not need that padding."""
-    multiple = max(64, group) * tp
-    if in_features % multiple or out_features % multiple:
-        raise CheckpointFormatError(
-            f"{name} [{out_features}x{in_features}] is not a multiple of {multiple} "
-            f"(max(64, group_size={group}) * tp={tp}), which TensorRT-LLM's int4 groupwise "
-            "layers need; use a smaller group_size (64) or tp"
-        )
+
+    def fits(group: int, tp: int) -> bool:
+        multiple = max(64, group) * tp
+        return in_features % multiple == 0 and out_features % multiple == 0
+
+    if fits(group, tp):
+        return
+    if group > 64 and fits(64, tp):
+        fix = "use group_size: 64"
+    elif tps := [t for t in range(1, tp) if fits(group, t)]:
+        fix = f"use build.tp in {{{', '.join(map(str, tps))}}}"
+    else:
+        fix = "keep the layer 16-bit (quantization.keep_16bit) or drop the TensorRT-LLM targets"
+    raise CheckpointFormatError(
+        f"{name} [{out_features}x{in_features}] is not a multiple of {max(64, group) * tp} "
+        f"(max(64, group_size={group}) * tp={tp}), which TensorRT-LLM's int4 groupwise "
+        f"layers need; {fix}"
+    )
 
 
 def pack_int4_pairs(values: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,11 @@ class CalibrationConfig(Section):
         default=None, description="Column/field holding the text; auto-detected when omitted."
     )
     num_samples: int = Field(default=512, gt=0)
-    seq_len: int = Field(default=512, gt=0)
+    seq_len: int = Field(
+        default=512,
+        ge=2,
+        description="Tokens per window; at least 2, so quantize's probe can score a next token.",
+    )
     seed: int = 0
     packing: bool = Field(default=False, description="Pack samples and cut into seq_len chunks.")
     min_tokens: int = Field(default=8, ge=1, description="Drop samples shorter than this.")
@@ -58,7 +62,11 @@ class AutoKeep16Bit(Section):
         "measure on; default: the calibration windows (in-domain, but not held out).",
     )
     num_windows: int = Field(default=8, gt=0, description="Held-out windows to measure on.")
-    seq_len: int = Field(default=256, gt=0, description="Tokens per held-out window.")
+    seq_len: int = Field(
+        default=256,
+        ge=2,
+        description="Tokens per held-out window; at least 2, to score a next token.",
+    )
 
 
 # Which methods each parameter shapes; setting one for another method is an error, not a no-op.

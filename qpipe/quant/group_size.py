@@ -19,7 +19,7 @@ from qpipe.quant.config import QuantizationConfig
 # Input features of a Llama-family decoder layer's linears, by config.json field.
 _ATTENTION_IN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _MLP_IN = ("mlp.gate_proj", "mlp.up_proj")
-_REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
+REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
 
 
 class GroupSizeError(ValueError):
@@ -84,7 +84,7 @@ def check_group_size(
     if isinstance(config, Path):
         path = config / "config.json" if config.is_dir() else config
         config = json.loads(path.read_text())
-    if not all(k in config for k in _REQUIRED):
+    if not all(k in config for k in REQUIRED_FIELDS):
         return  # not Llama-shaped: the check on the loaded modules covers it
     keep = [*quant.keep_16bit, *extra_keep]
     quantized = {n: f for n, f in linear_in_features(config).items() if not matches_any(n, keep)}

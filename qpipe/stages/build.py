@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from qpipe.console import console
 from qpipe.export.alias import engine_alias, quant_name
 from qpipe.export.toolchain import ABSENT, toolchain_versions
 from qpipe.gpu import resolve_arch
@@ -57,7 +58,7 @@ def _size_mib(path: Path) -> float:
 
 class BuildStage(Stage):
     name = "build"
-    version = 1
+    version = 2  # 2: trtllm-checkpoint's exclude_modules patterns, 16-bit weight-only dtype
     needs = ("quantize",)
 
     def section(self, recipe: Recipe) -> BaseModel:
@@ -84,6 +85,14 @@ class BuildStage(Stage):
             raise NotAvailable(
                 "build/trtllm-checkpoint for gptq act_order",
                 f"TensorRT-LLM has no activation-ordered groups: set act_order: false, {hint}",
+            )
+        decoder_kept = [p for p in quant.keep_16bit if p != "lm_head"]
+        if quant.method == "int8-sq" and quant.activations == "dynamic" and decoder_kept:
+            raise NotAvailable(
+                "build/trtllm-checkpoint for int8-sq with decoder layers kept 16-bit "
+                f"({', '.join(decoder_kept)})",
+                "TensorRT-LLM's SmoothQuant plugin quantizes every decoder layer: set "
+                f"quantization.activations: static, or keep only lm_head 16-bit, {hint}",
             )
         if quant.method in ("gptq", "int8-wo") and quant.weight_bits == 8 and quant.group_size:
             raise NotAvailable(
@@ -158,11 +167,21 @@ class BuildStage(Stage):
 
             try:
                 written = write_trtllm_checkpoint(
-                    quantized, out, build.tp, build.pp, recipe.model.dtype
+                    quantized, out, build.tp, build.pp, recipe.model.dtype, arch
                 )
             except CheckpointFormatError as exc:
                 raise StageError(f"build target trtllm-checkpoint: {exc}") from exc
-            return {"status": "built", "path": target, "quant_algo": written.quant_algo}
+            entry = {"status": "built", "path": target, "quant_algo": written.quant_algo}
+            entry["dtype"] = written.config["dtype"]
+            if written.requantize_error:
+                entry["fp8_requantize_error"] = round(written.requantize_error, 6)
+                console.print(
+                    "[yellow]trtllm-checkpoint: FP8 keeps one weight scale per fused linear, so "
+                    "the engine's weights differ from the evaluated ones by up to "
+                    f"{written.requantize_error:.2%} (relative); quantization.weights: "
+                    "per-tensor avoids all but q/k/v's[/]"
+                )
+            return entry
         if target == "trtllm-engine":
             return self._engine(out, recipe, arch)
         if target == "compressed-tensors":

@@ -52,6 +52,8 @@ class ConvertStage(Stage):
             raise StageError(f"model.source: {exc}") from exc
         try:
             report = convert_to_dir(source, ctx.out_dir, model.dtype, tuple(model.verify_prompts))
+        except SourceError as exc:
+            raise StageError(f"model.source: {exc}") from exc
         except ValueError as exc:
             raise StageError(f"convert: {exc}") from exc
         (ctx.out_dir / "convert.json").write_text(report.to_json())

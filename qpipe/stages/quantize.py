@@ -28,6 +28,7 @@ from qpipe.stages.base import (
     StageResult,
     input_path,
 )
+from qpipe.store.entry import MARKER
 
 QUANT_JSON = "qpipe_quant.json"
 CALIBRATION_FILE = "calibration.safetensors"
@@ -45,9 +46,12 @@ def _sha256(path: Path) -> str:
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
-    """Method none: the 16-bit checkpoint as is; hardlinks cost no space (the store never edits)."""
+    """Method none: the 16-bit checkpoint as is; hardlinks cost no space (the store never edits).
+    The convert entry's marker stays behind: this entry gets its own."""
     for path in sorted(source.rglob("*")):
         dest = target / path.relative_to(source)
+        if dest == target / MARKER:
+            continue
         if path.is_dir():
             dest.mkdir(parents=True, exist_ok=True)
             continue
@@ -91,13 +95,17 @@ class QuantizeStage(Stage):
         self, ctx: StageContext, quant: QuantizationConfig, checkpoint: Path
     ) -> StageResult:
         from qpipe.quant.group_size import GroupSizeError, check_group_size
+        from qpipe.quant.keep_16bit import Keep16BitError, check_keep_16bit
         from qpipe.quant.progress import stage_progress
         from qpipe.quant.quantize import quantize_checkpoint
 
         try:
             check_group_size(checkpoint, quant)
+            check_keep_16bit(json.loads((checkpoint / "config.json").read_text()), quant.keep_16bit)
         except GroupSizeError as exc:
             raise StageError(str(exc)) from exc
+        except Keep16BitError as exc:
+            raise StageError(f"quantization.keep_16bit: {exc}") from exc
         calibration = None
         if "calibrate" in ctx.inputs:
             calibration = ctx.inputs["calibrate"] / CALIBRATION_FILE
@@ -142,7 +150,15 @@ class QuantizeStage(Stage):
         if calibration is None:
             return None, None
         count = auto.num_windows if auto is not None else PROBE_WINDOWS
-        return windows_from_calibration(calibration, count), "calibration set (not held out)"
+        try:
+            windows = windows_from_calibration(calibration, count)
+        except ValueError as exc:
+            raise StageError(
+                "calibration: no sample has two or more tokens, so the quantized model has no "
+                "window to be measured on; use longer samples (calibration.min_tokens: 2 or more "
+                "drops one-token ones) and calibration.seq_len: 2 or more"
+            ) from exc
+        return windows, "calibration set (not held out)"
 
 
 def _record(outcome: Any, calibration: Path | None, source: str | None) -> dict[str, Any]:

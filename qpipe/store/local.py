@@ -122,7 +122,9 @@ class LocalStore(Store):
         """Publish `built` (already holding meta's files, checked by the caller) with `meta` as its
         marker: how downloads and copies from other stores land here without hashing twice.
         `replace` swaps out an entry already under the key (see commit)."""
-        (built / MARKER).write_text(meta.model_dump_json(indent=2))
+        marker = built / MARKER
+        marker.unlink(missing_ok=True)  # a new file, never one hard-linked from another entry
+        marker.write_text(meta.model_dump_json(indent=2))
         final = self._entry_dir(meta.key)
         final.parent.mkdir(parents=True, exist_ok=True)
         old = self._move_aside(final, meta.key) if replace else None
