@@ -19,6 +19,8 @@ from qpipe.console import console, error, out
 from qpipe.recipe import Recipe, RecipeError, load_recipe, locate, recipe_schema
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from qpipe.pipeline import PlannedStage
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -259,8 +261,11 @@ def run(
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
     name = f"runs/{loaded.name}/{stamp}/manifest.json"
     data = json.dumps(record, indent=2).encode()
-    pipeline.store.write_document(name, data)
-    pipeline.store.write_document(f"runs/{loaded.name}/latest.json", data)
+    try:
+        pipeline.store.write_document(name, data)
+        pipeline.store.write_document(f"runs/{loaded.name}/latest.json", data)
+    except StoreError as exc:
+        raise error(f"the stages are done, but the run's manifest was not written: {exc}") from exc
     if manifest_path is not None:
         try:
             manifest_path.parent.mkdir(parents=True, exist_ok=True)
@@ -439,8 +444,9 @@ def recipe_schema_command() -> None:
 def cache_ls(store: StoreOption = None, as_json: JsonOption = False) -> None:
     """List committed entries (stage, key, size, date) and aliases."""
     opened = _open_store(store)
-    entries = sorted(opened.entries(), key=lambda m: m.created)
-    aliases = opened.aliases()
+    with _store_failure(opened, "list"):
+        entries = sorted(opened.entries(), key=lambda m: m.created)
+        aliases = opened.aliases()
     if as_json:
         rows = [
             {"key": m.key, "stage": m.stage, "size": m.size, "created": m.created} for m in entries
@@ -461,6 +467,23 @@ def cache_ls(store: StoreOption = None, as_json: JsonOption = False) -> None:
     out.print(table)
 
 
+@contextlib.contextmanager
+def _store_failure(opened: Any, doing: str) -> Iterator[None]:
+    """What fails after the store opened (a bucket this identity may read but not write, a
+    directory it cannot change) as an error naming the store, not a traceback."""
+    from qpipe.store.base import StoreError
+
+    try:
+        yield
+    except StoreError as exc:
+        raise error(f"cannot {doing} {opened.location}: {exc}") from exc
+    except OSError as exc:
+        raise error(
+            f"cannot {doing} {opened.location}: {exc.strerror}: {exc.filename} (check this "
+            "user's permissions on the store's directory)"
+        ) from exc
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -474,23 +497,30 @@ def cache_verify(
     store: StoreOption = None,
     quarantine: Annotated[bool, typer.Option(help="Move corrupt entries aside.")] = False,
 ) -> None:
-    """Checksum every entry; corrupt ones are reported (and quarantined with --quarantine)."""
+    """Checksum every entry where it lives (an S3 store's in the bucket, not in this machine's
+    download cache); corrupt ones are reported (and quarantined with --quarantine)."""
     from rich.progress import track
 
     from qpipe.store.entry import CorruptEntry
 
     opened = _open_store(store)
-    corrupt = 0
-    entries = list(opened.entries())
-    for meta in track(entries, description="verifying", console=console):
-        try:
-            opened.open(meta.key, verify=True)
-        except CorruptEntry as exc:
-            corrupt += 1
-            console.print(f"[red]corrupt[/] {meta.stage} {meta.key[:12]}: {escape(exc.problem)}")
-            if quarantine:
-                opened.quarantine(meta.key, exc.problem)
-    out.print(f"{len(entries) - corrupt} ok, {corrupt} corrupt")
+    ok = corrupt = 0
+    with _store_failure(opened, "verify"):
+        for meta in track(list(opened.entries()), description="verifying", console=console):
+            try:
+                opened.verify(meta.key)  # where the entry lives: the bucket, not a local copy
+            except KeyError:
+                continue  # removed since it was listed (a gc meanwhile)
+            except CorruptEntry as exc:
+                corrupt += 1
+                console.print(
+                    f"[red]corrupt[/] {meta.stage} {meta.key[:12]}: {escape(exc.problem)}"
+                )
+                if quarantine:
+                    opened.quarantine(meta.key, exc.problem)
+                continue
+            ok += 1
+    out.print(f"{ok} ok, {corrupt} corrupt")
     if corrupt:
         raise typer.Exit(1)
 
@@ -506,6 +536,8 @@ def cache_gc(
     """Remove abandoned temp dirs and quarantined entries (and, with --keep-recipe, unused ones;
     entries that published registry versions name are always kept)."""
     from qpipe.registry.registry import Registry, RegistryError
+    from qpipe.stages.base import StageError
+    from qpipe.store.base import StoreError
 
     opened = _open_store(store)
     keep = None
@@ -515,8 +547,15 @@ def cache_gc(
         except RegistryError as exc:  # an unreadable manifest: deleting would be a guess
             raise error(f"{exc}; gc --keep-recipe keeps what published versions name") from exc
         for path in keep_recipe:
-            keep |= {p.key for p in _pipeline(path, store).plan() if p.key}
-    removed = opened.gc(keep)
+            try:
+                keep |= {p.key for p in _pipeline(path, store).plan() if p.key}
+            except (StageError, StoreError) as exc:  # what it uses is unknown: delete nothing
+                raise error(
+                    f"--keep-recipe {path}: gc removed nothing, since what this recipe uses "
+                    f"cannot be planned: {exc}"
+                ) from exc
+    with _store_failure(opened, "gc"):
+        removed = opened.gc(keep)
     for item in removed:
         console.print(f"removed {item}")
     out.print(f"{len(removed)} removed")
@@ -524,22 +563,22 @@ def cache_gc(
 
 @cache_app.command("push")
 def cache_push(
+    to: Annotated[str, typer.Option("--to", help="Target store (s3://bucket/prefix or dir).")],
     refs: Annotated[list[str] | None, typer.Argument(help="Keys, key prefixes or aliases.")] = None,
-    to: Annotated[str, typer.Option("--to", help="Target store (s3://bucket/prefix or dir).")] = "",
     store: StoreOption = None,
 ) -> None:
     """Copy entries (default: all) and their aliases from the store to another, verified."""
-    _transfer(store, to or None, refs or [])
+    _transfer(store, to, refs or [])
 
 
 @cache_app.command("pull")
 def cache_pull(
+    source: Annotated[str, typer.Option("--from", help="Store to copy from.")],
     refs: Annotated[list[str] | None, typer.Argument(help="Keys, key prefixes or aliases.")] = None,
-    source: Annotated[str, typer.Option("--from", help="Store to copy from.")] = "",
     store: StoreOption = None,
 ) -> None:
     """Copy entries (default: all) and their aliases from another store into this one, verified."""
-    _transfer(source or None, store, refs or [])
+    _transfer(source, store, refs or [])
 
 
 def _transfer(source_location: str | None, target_location: str | None, refs: list[str]) -> None:

@@ -161,7 +161,9 @@ class Pipeline:
             return PlannedStage(name, "miss", key=key, key_inputs=key_inputs)
         planned = PlannedStage(name, "hit", key=key, key_inputs=key_inputs,
                                metrics=meta.metrics, gate=meta.gate)  # fmt: skip
-        if self.store.local_copy(key) is None:
+        if self.store.local_copy(key) is None and type(stage).stale is Stage.stale:
+            # NOTE: a stage with a stale check (publish: a few KB) is read now, so every runner
+            # sees what its effects outside the store have become, with or without a local copy
             planned.reason = "in the remote store; downloaded when a stage reads it"
             return planned
         try:

@@ -175,3 +175,88 @@ def test_an_unreadable_alias_record_is_skipped_with_a_warning_and_removed_by_gc(
     assert gc.exit_code == 0 and "removed aliases/broken (unreadable record)" in output
     assert "removed aliases/keyless (unreadable record)" in output
     assert sorted(p.name for p in (store.root / "aliases").iterdir()) == ["tiny-cpu-int8-tp1.json"]
+
+
+RECIPE = """\
+name: ok-recipe
+model: {source: gguf:model.gguf, dtype: float32}
+calibration: {dataset: data.jsonl, num_samples: 8}
+quantization: {method: int8-sq}
+build: {targets: [compressed-tensors]}
+"""
+
+
+def test_gc_keep_recipe_that_cannot_be_planned_removes_nothing(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    key = _entry(store, "cd" * 32, b"w")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE)  # its calibration dataset, data.jsonl, is not there
+    (tmp_path / "model.gguf").write_bytes(b"")
+    gc = CliRunner().invoke(
+        app, ["cache", "gc", "--keep-recipe", str(recipe), "--store", str(store.root)]
+    )
+    message = " ".join(gc.output.split())
+    assert gc.exit_code == 1 and isinstance(gc.exception, SystemExit), message
+    assert f"error: --keep-recipe {recipe}: gc removed nothing" in message
+    assert "data.jsonl does not exist" in message
+    assert store.lookup(key) is not None
+
+
+def test_a_store_that_cannot_be_changed_is_an_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store this user may read but not write (tests run as root: the denial is raised where
+    the store renames an entry away)."""
+    store = LocalStore(tmp_path / "store")
+    _entry(store, "cd" * 32, b"w")
+
+    def denied(self: LocalStore, *args: object) -> None:
+        raise PermissionError(13, "Permission denied", str(self.root / "objects"))
+
+    def fails_naming_the_store(doing: str, *command: str) -> None:
+        result = CliRunner().invoke(app, ["cache", *command, "--store", str(store.root)])
+        message = " ".join(result.output.split())
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), message
+        assert f"error: cannot {doing} {store.root}: " in message
+        assert "Permission denied" in message or "access denied" in message
+
+    monkeypatch.setattr(cli, "_pipeline", lambda path, store: SimpleNamespace(plan=lambda: []))
+    monkeypatch.setattr(LocalStore, "remove", denied)
+    fails_naming_the_store("gc", "gc", "--keep-recipe", "r.yaml")
+    monkeypatch.setattr(LocalStore, "entries", denied)
+    fails_naming_the_store("verify", "verify")
+
+    def refused(self: LocalStore) -> None:  # how an S3 store reports a denial
+        raise StoreError(f"access denied to {self.location} when trying to list entries/")
+
+    monkeypatch.setattr(LocalStore, "entries", refused)
+    fails_naming_the_store("list", "ls")
+
+
+def test_a_run_whose_manifest_the_store_cannot_take_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A no-op re-run on a store that cannot be written: the manifest write, after the stages,
+    fails with the store and the problem, not a traceback."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE)
+    (tmp_path / "model.gguf").write_bytes(b"")
+    (tmp_path / "data.jsonl").write_text('{"text": "a sample"}\n')
+    store = LocalStore(tmp_path / "store")
+    (store.root / "docs" / "runs").write_text("a file where the runs directory should be")
+    nothing_to_do = SimpleNamespace(store=store, run=lambda **options: [])
+    monkeypatch.setattr(cli, "_pipeline", lambda path, location, recipe: nothing_to_do)
+    result = CliRunner().invoke(app, ["run", str(recipe), "--store", str(store.root)])
+    message = " ".join(result.output.split())
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), message
+    assert "error: the stages are done, but the run's manifest was not written" in message
+    assert "cannot write runs/ok-recipe/" in message and f"in the store {store.root}" in message
+    assert "Not a directory" in message
+
+
+def test_push_and_pull_say_which_store_option_they_need(tmp_path: Path) -> None:
+    runner = CliRunner()
+    for command, option in ((["push", "x"], "--to"), (["pull", "x"], "--from")):
+        result = runner.invoke(app, ["cache", *command, "--store", str(tmp_path / "s")])
+        assert result.exit_code == 2 and f"Missing option '{option}'" in result.output
+        assert "same store" not in result.output

@@ -375,3 +375,27 @@ def test_a_failure_is_reported_without_its_stage_name_twice() -> None:
     assert _note(failed) == "wikitext-2 is missing"
     other = PlannedStage("bench", "failed", reason="evaluate: a reason naming another stage")
     assert _note(other) == "evaluate: a reason naming another stage"
+
+
+def test_a_stale_check_runs_on_a_runner_without_a_local_copy(
+    setup,
+    s3_env,  # type: ignore[no-untyped-def]
+) -> None:
+    """A CI runner with an empty download cache sees a remote entry as a hit; publish's check of
+    the registry (its effect outside the store) must still run there, or a lost or moved
+    registry is repaired only on machines that happen to hold a copy."""
+    from qpipe.store.s3 import S3Store
+
+    pipeline, stages, _, root = setup
+    stages["calibrate"] = ExternalEffectStage("calibrate", NEEDS["calibrate"])
+    location = f"s3://{s3_env.bucket()}/cache"
+    first = S3Store(location, LocalStore(root / "runner-a"))
+    ran = Pipeline(pipeline().recipe, root, first, HashCache(root / "a.db"),
+                   make_loader(stages)).run(until="calibrate")  # fmt: skip
+    assert [p.status for p in ran] == ["ran", "ran"]
+    stages["calibrate"].effect_gone = True
+    fresh = S3Store(location, LocalStore(root / "runner-b"))
+    planned = Pipeline(pipeline().recipe, root, fresh, HashCache(root / "b.db"),
+                       make_loader(stages)).plan(until="calibrate")  # fmt: skip
+    assert [p.status for p in planned] == ["hit", "stale"]
+    assert planned[0].reason == "in the remote store; downloaded when a stage reads it"

@@ -17,7 +17,7 @@ from qpipe.registry.cli import registry_app
 from qpipe.registry.registry import Registry, RegistryError
 from qpipe.stages.base import StageContext, StageError
 from qpipe.stages.publish import PublishStage
-from qpipe.store.base import Store
+from qpipe.store.base import DocumentExists, Store
 from qpipe.store.factory import open_store
 from qpipe.store.local import LocalStore
 
@@ -405,3 +405,67 @@ def test_pull_to_a_file_or_under_a_file_is_refused_with_the_path(tmp_path: Path)
         assert result.exit_code == 1, result.output
         assert expected in result.output and "pull into a new directory" in result.output
     assert afile.read_text() == "not a directory"
+
+
+def race_two_publishes(first: Store, second: Store, tmp_path: Path) -> None:
+    """`first` reads the versions, then `second` (another process's view of the same registry)
+    publishes other content before `first` writes: both must end up as versions, intact."""
+    first_keys, second_keys = upstream(first), upstream(second, kld=0.005)
+    read_versions = first.list_documents
+
+    def list_then_lose_the_race(prefix: str) -> list[str]:
+        found = read_versions(prefix)
+        if prefix == "registry/smollm2-int8/" and not raced:
+            raced.append(publish(second, second_keys, tmp_path))
+        return found
+
+    raced: list[dict] = []
+    first.list_documents = list_then_lose_the_race  # type: ignore[method-assign]
+    won_first = publish(first, first_keys, tmp_path)
+    assert raced[0]["version"] == "1" and raced[0]["new_version"] is True
+    assert won_first["version"] == "2" and won_first["new_version"] is True
+    registry = Registry(second)
+    assert registry.versions("smollm2-int8") == ["1", "2"]
+    assert registry.read("smollm2-int8", "1").accuracy.metrics["kld"] == 0.005
+    assert registry.read("smollm2-int8", "2").accuracy.metrics["kld"] == 0.01
+
+
+def test_concurrent_publishes_of_one_name_get_distinct_versions(tmp_path: Path) -> None:
+    race_two_publishes(LocalStore(tmp_path / "store"), LocalStore(tmp_path / "store"), tmp_path)
+
+
+def test_concurrent_publishes_to_s3_get_distinct_versions(s3_env: S3Server, tmp_path: Path) -> None:
+    from qpipe.store.s3 import S3Store
+    from qpipe.store.tiered import TieredStore
+
+    bucket = s3_env.bucket()
+    for prefix, tiered in (("registry", False), ("two-tier", True)):  # plain S3; local + S3
+        url = f"s3://{bucket}/{prefix}"
+        first, second = (S3Store(url, LocalStore(tmp_path / f"{prefix}-{m}")) for m in "ab")
+        if tiered:
+            first, second = TieredStore(first), TieredStore(second)
+        race_two_publishes(first, second, tmp_path)
+
+
+def test_a_version_created_meanwhile_is_never_overwritten(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    store.create_document("registry/x/1/manifest.json", b"first")
+    with pytest.raises(DocumentExists, match="registry/x/1/manifest.json already exists"):
+        store.create_document("registry/x/1/manifest.json", b"second")
+    assert store.read_document("registry/x/1/manifest.json") == b"first"
+    assert store.list_documents("registry/") == ["registry/x/1/manifest.json"]  # no temp left
+
+
+def test_a_pull_removes_what_an_interrupted_pull_to_the_same_dest_left(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "store")
+    publish(store, upstream(store), tmp_path)
+    killed = tmp_path / "serving" / ".model.partial-0badf00d"  # a pull killed mid-download
+    (killed / "sub").mkdir(parents=True)
+    (killed / "sub" / "model.safetensors").write_bytes(b"half")
+    other = tmp_path / "serving" / ".other.partial-0badf00d"  # another destination's
+    other.mkdir()
+    Registry(store).pull("smollm2-int8", "compressed-tensors", tmp_path / "serving" / "model")
+    assert sorted(p.name for p in (tmp_path / "serving").iterdir()) == [
+        ".other.partial-0badf00d",
+        "model",
+    ]

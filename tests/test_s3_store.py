@@ -263,3 +263,90 @@ def test_an_unreadable_alias_in_the_bucket_is_skipped_and_removed_by_gc(
         store.resolve_alias("broken")
     assert store.gc_remote() == ["aliases/broken (unreadable record)"]
     assert set(store.aliases()) == {"smollm2-cpu-fp8-tp1"}
+
+
+def test_cache_verify_checks_the_bucket_not_the_download_cache(
+    s3_env: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The download cache holds an intact copy; the bucket's, which every other machine gets, is
+    corrupt: verify reports it, and --quarantine takes it out of the bucket and the cache."""
+    from typer.testing import CliRunner
+
+    from qpipe.cli import app
+
+    monkeypatch.setenv("QPIPE_HOME", str(tmp_path / "home"))
+    bucket = s3_env.bucket()
+    url = f"s3://{bucket}/team/cache"
+    store = open_store(url)  # the download cache the CLI uses too
+    payload = os.urandom(100_000)
+    meta = commit(store, KEY, payload)
+    assert store.local_copy(KEY) is not None
+    runner = CliRunner()
+    verified = runner.invoke(app, ["cache", "verify", "--store", url])
+    assert verified.exit_code == 0 and "1 ok, 0 corrupt" in verified.output, verified.output
+
+    name = f"team/cache/blobs/{KEY}/{meta.upload}/trtllm-checkpoint/rank0.safetensors"
+    flipped = bytes([payload[0] ^ 0xFF]) + payload[1:]
+    s3_env.client().put_object(Bucket=bucket, Key=name, Body=flipped)
+    verified = runner.invoke(app, ["cache", "verify", "--store", url])
+    message = " ".join(verified.output.split())
+    assert verified.exit_code == 1 and "0 ok, 1 corrupt" in message, message
+    assert (
+        f"corrupt build {KEY[:12]}: trtllm-checkpoint/rank0.safetensors does not match" in message
+    )
+    assert store.lookup(KEY) is not None and store.local_copy(KEY) is not None  # reported only
+    assert list((store.cache.root / "tmp").iterdir()) == []  # the checked download is gone
+
+    quarantined = runner.invoke(app, ["cache", "verify", "--quarantine", "--store", url])
+    assert quarantined.exit_code == 1, quarantined.output
+    assert store.lookup(KEY) is None and store.local_copy(KEY) is None
+    again = runner.invoke(app, ["cache", "verify", "--store", url])
+    assert again.exit_code == 0 and "0 ok, 0 corrupt" in again.output
+
+
+def test_access_denied_during_an_upload_says_so_with_the_credentials_hint(
+    s3_env: S3Server, tmp_path: Path
+) -> None:
+    """Keys that stop being valid after the store opened (rotated, or an identity that may not
+    write): boto3 reports it as an upload failure, qpipe as the access denial it is."""
+    import boto3
+
+    store = s3_store(s3_env, s3_env.bucket(), tmp_path / "machine-a")
+    store.client = boto3.client(
+        "s3",
+        endpoint_url=s3_env.endpoint,
+        aws_access_key_id=s3_env.access_key,
+        aws_secret_access_key="not-the-secret",
+        region_name="us-east-1",
+    )
+    with store.writer(KEY, "build") as tmp:
+        make_entry(tmp, b"weights")
+        with pytest.raises(StoreError) as raised:  # replace: the upload is the first request
+            store.commit(KEY, "build", tmp, {}, None, {}, replace=True)
+    message = str(raised.value)
+    assert "access denied to s3://" in message and "when trying to upload build.json" in message
+    assert "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY" in message
+    assert "S3UploadFailedError" not in message and "upload failed" not in message
+
+
+def test_the_two_tier_store_verifies_each_tier_that_holds_the_entry(
+    s3_env: S3Server, tmp_path: Path
+) -> None:
+    from qpipe.store.tiered import TieredStore
+
+    bucket = s3_env.bucket()
+    store = TieredStore(s3_store(s3_env, bucket, tmp_path / "machine-a"))
+    payload = os.urandom(10_000)
+    meta = commit(store.remote, KEY, payload)  # in the bucket and machine-a's local tier
+    store.verify(KEY)
+    with pytest.raises(KeyError):
+        store.verify("ff" * 32)
+    local = store.local.local_copy(KEY) / "trtllm-checkpoint" / "rank0.safetensors"
+    local.write_bytes(bytes([payload[0] ^ 0xFF]) + payload[1:])
+    with pytest.raises(CorruptEntry, match="rank0.safetensors does not match its checksum"):
+        store.verify(KEY)
+    local.write_bytes(payload)
+    name = f"team/cache/blobs/{KEY}/{meta.upload}/trtllm-checkpoint/rank0.safetensors"
+    s3_env.client().put_object(Bucket=bucket, Key=name, Body=b"short")
+    with pytest.raises(CorruptEntry, match="rank0.safetensors has 5 bytes"):
+        store.verify(KEY)

@@ -189,3 +189,33 @@ def test_a_forced_commit_replaces_the_entry_in_both_tiers(s3_env: S3Server, tmp_
     assert store.local.lookup(KEY) == new and store.remote.lookup(KEY).files == new.files
     other = open_store(location, local_cache=str(tmp_path / "runner-2"))
     assert (other.open(KEY) / "model.safetensors").read_bytes() == b"new build"
+
+
+def test_an_entry_the_bucket_missed_is_shared_when_next_opened(
+    s3_env: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bucket unreachable at commit time (or the run killed between the local commit and the
+    upload) left the entry in the local tier only: every later run hit it locally and the bucket
+    never got it. A note written before the upload now makes the next open share it."""
+    location = f"s3://{s3_env.bucket()}/ci"
+    store = open_store(location, local_cache=str(tmp_path / "runner-1"))
+    assert isinstance(store, TieredStore)
+    upload = store.remote.import_entry
+
+    def unreachable(*args: object, **kwargs: object) -> EntryMeta:
+        raise StoreError("cannot reach the bucket")
+
+    monkeypatch.setattr(store.remote, "import_entry", unreachable)
+    with pytest.raises(StoreError, match="not shared") as failed:
+        build(store, KEY, b"weights")
+    assert f"--store {store.local.location} --to {location}" in str(failed.value)
+    assert store.remote.lookup(KEY) is None and store.local.lookup(KEY) is not None
+
+    store.open(KEY)  # still unreachable: a warning, and the entry serves from here
+    assert store.remote.lookup(KEY) is None
+    monkeypatch.setattr(store.remote, "import_entry", upload)
+    store.open(KEY)
+    assert store.remote.lookup(KEY) is not None
+    other = open_store(location, local_cache=str(tmp_path / "runner-2"))
+    assert (other.open(KEY) / "model.safetensors").read_bytes() == b"weights"
+    assert not (store.local.root / "unshared" / KEY).exists()  # later opens ask no bucket

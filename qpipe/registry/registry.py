@@ -7,6 +7,7 @@ themselves stay store entries; a pull copies one target's files out of one entry
 
 from __future__ import annotations
 
+import glob
 import json
 import shutil
 import uuid
@@ -17,8 +18,11 @@ from pydantic import ValidationError
 
 from qpipe.gpu import arch_name
 from qpipe.registry.manifest import ArtifactRecord, Manifest, latest_doc, manifest_doc
-from qpipe.store.base import Store
+from qpipe.store.base import DocumentExists, Store
 from qpipe.store.entry import CorruptEntry
+
+# A publish that loses the race for a version this many times in a row gives up, saying so.
+PUBLISH_ATTEMPTS = 10
 
 
 class RegistryError(Exception):
@@ -87,12 +91,27 @@ class Registry:
         points `latest` back at it: re-running a recipe after another one was published (a
         revert) must give consumers that recipe's artifacts again. A given version is immutable.
         `make_latest=False` leaves the pointer alone unless the name has none (a mirror's push
-        of an older version)."""
+        of an older version).
+
+        Concurrent publishers of one name: the version's manifest is created only if absent, so
+        one wins it; the other reads the versions again and takes the next number (or finds its
+        content published, or, for a named version, finds it taken)."""
+        for _ in range(PUBLISH_ATTEMPTS):
+            published = self._publish_once(draft, version)
+            if published is not None:
+                self._point_latest(draft.name, published.manifest.version, make_latest)
+                return published
+        raise RegistryError(
+            f"{draft.name}: other publishers took {PUBLISH_ATTEMPTS} versions in a row while this "
+            f"one was publishing to {self.store.location}: publish again (re-run the recipe)"
+        )
+
+    def _publish_once(self, draft: Manifest, version: str | None) -> Published | None:
+        """One attempt; None when another publisher created the version first."""
         existing = {v: self.read(draft.name, v) for v in self.versions(draft.name)}
         digest = draft.content_digest
         for manifest in existing.values():
             if manifest.content_digest == digest and version in (None, manifest.version):
-                self._point_latest(draft.name, manifest.version, make_latest)
                 return Published(manifest, new=False)
         if version is None:
             numbers = [int(v) for v in existing if v.isdigit()]
@@ -103,10 +122,12 @@ class Registry:
                 "immutable: choose another publish.version, or leave it unset for the next one"
             )
         manifest = draft.model_copy(update={"version": version})
-        self.store.write_document(
-            manifest_doc(draft.name, version), manifest.model_dump_json(indent=2).encode()
-        )
-        self._point_latest(draft.name, version, make_latest)
+        try:
+            self.store.create_document(
+                manifest_doc(draft.name, version), manifest.model_dump_json(indent=2).encode()
+            )
+        except DocumentExists:
+            return None
         return Published(manifest, new=True)
 
     def _point_latest(self, name: str, version: str, make_latest: bool) -> None:
@@ -181,6 +202,10 @@ class Registry:
                 f"cannot create the directory {dest.parent} ({exc.strerror}): pull into a new "
                 "directory under one you can write to"
             ) from exc
+        # NOTE: removes what interrupted pulls into this dest left (killed mid-download); a pull
+        # into the same dest at the same moment loses its partial, but one of the two fails anyway
+        for leftover in dest.parent.glob(f".{glob.escape(dest.name)}.partial-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
         partial = dest.with_name(f".{dest.name}.partial-{uuid.uuid4().hex[:8]}")
         try:
             self.store.fetch(record.key, partial, record.path)

@@ -23,6 +23,15 @@ class StoreError(Exception):
     """The store cannot be used (unreachable, no permission, bad location)."""
 
 
+class DocumentExists(StoreError):
+    """create_document found the name taken: another writer got there first (a concurrent publish
+    of the same registry version), and what it wrote stays."""
+
+    def __init__(self, name: str, location: str):
+        self.name = name
+        super().__init__(f"document {name} already exists in {location}")
+
+
 class DanglingAlias(StoreError):
     """An alias whose entry is gone (removed by gc, quarantined, lost): says which, and what to do,
     instead of a KeyError or a "vanished during the copy" far from the cause."""
@@ -93,6 +102,11 @@ class Store(ABC):
     @abstractmethod
     def open(self, key: str, verify: bool = True) -> Path:
         """A local directory holding the entry's files, checksums verified; CorruptEntry if not."""
+
+    @abstractmethod
+    def verify(self, key: str) -> None:
+        """Checksum the entry where it lives (for S3, the bucket's files, not the download
+        cache's copy); CorruptEntry if a file does not match, KeyError if the entry is gone."""
 
     @abstractmethod
     @contextmanager
@@ -170,6 +184,12 @@ class Store(ABC):
     @abstractmethod
     def write_document(self, name: str, data: bytes) -> None:
         """A small named document (run manifests, registry entries), written atomically."""
+
+    @abstractmethod
+    def create_document(self, name: str, data: bytes) -> None:
+        """Write a document only if `name` does not exist yet, atomically with that check;
+        DocumentExists otherwise. What makes a registry version immutable under concurrent
+        publishers: the loser learns it lost instead of overwriting the winner."""
 
     @abstractmethod
     def read_document(self, name: str) -> bytes | None: ...

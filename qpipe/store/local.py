@@ -7,6 +7,7 @@ a finished temp directory that already holds its marker, so readers see all of a
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from qpipe.store.base import (
+    DocumentExists,
     MalformedAlias,
     Store,
     StoreError,
@@ -27,6 +29,10 @@ from qpipe.store.base import (
     readable_aliases,
 )
 from qpipe.store.entry import MARKER, EntryMeta, select_files, verify_files
+
+LOCK_SUFFIX = ".lock"
+# A lock file older than this whose directory is gone is left over, not one being set up.
+ORPHAN_LOCK_S = 3600
 
 
 def default_home() -> Path:
@@ -43,11 +49,64 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+@contextmanager
+def _held(lock: Path) -> Iterator[None]:
+    """An exclusive flock on `lock` for the block: the kernel drops it when the holder dies, in
+    any PID namespace, so `gc` on a store shared between containers (or a run that was PID 1)
+    tells a live writer from a dead one by trying the lock, where a PID in a name cannot."""
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _lock_held(lock: Path) -> bool | None:
+    """Whether a live process holds `lock`; None when there is no such file."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _in_use(tmp: Path) -> bool:
+    """Whether a tmp/ directory's writer lives: its lock is held. Directories without a lock (an
+    entry moved aside for a few milliseconds by a replacing commit, or one from a qpipe before
+    the locks) fall back to the PID in their name."""
+    held = _lock_held(tmp.with_name(tmp.name + LOCK_SUFFIX))
+    if held is not None:
+        return held
+    pid = tmp.name.rsplit(".", 2)[-2] if tmp.name.count(".") >= 2 else ""
+    return pid.isdigit() and _pid_alive(int(pid))
+
+
+def _write_atomic(path: Path, data: bytes, exclusive: bool = False) -> bool:
+    """Write a temp file, then move it into place: readers see the old file or the new, never
+    half of one. `exclusive` hard-links it instead, which never replaces an existing file: False
+    then means `path` was there already (left as it is)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        if not exclusive:
+            os.replace(tmp, path)
+            return True
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class LocalStore(Store):
@@ -93,14 +152,18 @@ class LocalStore(Store):
         verify_files(path, meta, full=verify)
         return path
 
+    def verify(self, key: str) -> None:
+        self.open(key, verify=True)
+
     @contextmanager
     def writer(self, key: str, stage: str) -> Iterator[Path]:
         tmp = self.root / "tmp" / f"{stage}-{key[:16]}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        tmp.mkdir(parents=True)
-        try:
-            yield tmp
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with _held(tmp.with_name(tmp.name + LOCK_SUFFIX)):  # before the directory: gc sees both
+            tmp.mkdir(parents=True)
+            try:
+                yield tmp
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
 
     def commit(
         self,
@@ -199,12 +262,29 @@ class LocalStore(Store):
             shutil.rmtree(doomed, ignore_errors=True)
 
     def gc(self, keep: set[str] | None = None) -> list[str]:
+        """With `keep`, refused while any stage is being built here: that run reads entries of
+        its own recipe, which `keep` (the recipes named) may not hold."""
+        if keep is not None:
+            busy = sorted(t.name for t in (self.root / "tmp").iterdir()
+                          if not t.name.endswith(LOCK_SUFFIX) and _in_use(t))  # fmt: skip
+            if busy:
+                raise StoreError(
+                    f"a run is building in {self.root} (tmp/{busy[0]}); deleting the entries "
+                    "other recipes use could remove what it reads next. Run `cache gc "
+                    "--keep-recipe` when no run is in progress (plain `cache gc` is safe now)"
+                )
         removed = []
         for tmp in (self.root / "tmp").iterdir():
-            pid = tmp.name.rsplit(".", 2)[-2] if tmp.name.count(".") >= 2 else ""
-            if pid.isdigit() and _pid_alive(int(pid)):
+            if tmp.name.endswith(LOCK_SUFFIX):
+                if not tmp.with_name(tmp.name.removesuffix(LOCK_SUFFIX)).exists() and (
+                    time.time() - tmp.stat().st_mtime > ORPHAN_LOCK_S and not _lock_held(tmp)
+                ):
+                    tmp.unlink(missing_ok=True)  # its writer was killed before removing it
+                continue
+            if _in_use(tmp):
                 continue
             shutil.rmtree(tmp, ignore_errors=True)
+            tmp.with_name(tmp.name + LOCK_SUFFIX).unlink(missing_ok=True)
             removed.append(f"tmp/{tmp.name}")
         for bad in (self.root / "corrupt").iterdir():
             shutil.rmtree(bad, ignore_errors=True)
@@ -256,7 +336,23 @@ class LocalStore(Store):
         return readable_aliases(names, self._alias_record)
 
     def write_document(self, name: str, data: bytes) -> None:
-        _write_atomic(self._doc_path(name), data)
+        self._write_document(name, data, exclusive=False)
+
+    def create_document(self, name: str, data: bytes) -> None:
+        if not self._write_document(name, data, exclusive=True):
+            raise DocumentExists(name, self.location)
+
+    def _write_document(self, name: str, data: bytes, exclusive: bool) -> bool:
+        """A store this user cannot write (read-only mount, another owner) is a StoreError that
+        names it, not an OSError traceback after the run's stages are done."""
+        try:
+            return _write_atomic(self._doc_path(name), data, exclusive)
+        except OSError as exc:
+            raise StoreError(
+                f"cannot write {name} in the store {self.location} ({exc.strerror}: "
+                f"{exc.filename}): this user must be able to write there; fix its permissions, "
+                "or use another store (--store DIR)"
+            ) from exc
 
     def read_document(self, name: str) -> bytes | None:
         path = self._doc_path(name)

@@ -40,6 +40,7 @@ from rich.progress import (
 )
 
 from qpipe.store.base import (
+    DocumentExists,
     MalformedAlias,
     Store,
     StoreError,
@@ -136,27 +137,36 @@ class S3Store(Store):
                 f"(or the recipe's store.endpoint_url) and that the server is up ({exc})"
             ) from exc
         except ClientError as exc:
-            error = exc.response.get("Error", {})
-            code = str(error.get("Code", ""))
-            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code in ACCESS_CODES or status == 403:
-                raise StoreError(
-                    f"access denied to {where} when trying to {doing} ({code}) — check "
-                    "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and that this "
-                    "identity may read and write the bucket"
-                ) from exc
-            if code == "NoSuchBucket" or (code == "404" and doing == "open the bucket"):
-                raise StoreError(
-                    f"S3 bucket {self.bucket!r} does not exist at {self.endpoint}: create it "
-                    f"(aws s3 mb s3://{self.bucket}) or fix the store location"
-                ) from exc
-            raise StoreError(
-                f"S3 refused to {doing} in {where}: {code} {error.get('Message', '')}".rstrip()
-            ) from exc
+            raise self._refused(exc, doing) from exc
         except S3UploadFailedError as exc:
+            # NOTE: boto3 puts the server's answer (an access denial, say) only into the message
+            # of its upload error; the ClientError itself is the implicit __context__
+            if isinstance(exc.__context__, ClientError):
+                raise self._refused(exc.__context__, doing) from exc
             raise StoreError(f"upload failed while trying to {doing} in {where}: {exc}") from exc
         except BotoCoreError as exc:
             raise StoreError(f"S3 failed to {doing} in {where}: {exc}") from exc
+
+    def _refused(self, exc: ClientError, doing: str) -> StoreError:
+        """The StoreError for a request the server answered with an error."""
+        where = f"{self.location} at {self.endpoint}"
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in ACCESS_CODES or status == 403:
+            return StoreError(
+                f"access denied to {where} when trying to {doing} ({code}) — check "
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) and that this "
+                "identity may read and write the bucket"
+            )
+        if code == "NoSuchBucket" or (code == "404" and doing == "open the bucket"):
+            return StoreError(
+                f"S3 bucket {self.bucket!r} does not exist at {self.endpoint}: create it "
+                f"(aws s3 mb s3://{self.bucket}) or fix the store location"
+            )
+        return StoreError(
+            f"S3 refused to {doing} in {where}: {code} {error.get('Message', '')}".rstrip()
+        )
 
     def _get(self, name: str) -> bytes | None:
         """The object's bytes, or None when it does not exist."""
@@ -171,6 +181,25 @@ class S3Store(Store):
     def _put(self, name: str, data: bytes) -> None:
         with self._errors(f"write {name}"):
             self.client.put_object(Bucket=self.bucket, Key=name, Body=data)
+
+    def _put_new(self, name: str, data: bytes, doing: str) -> bool:
+        """Put `name` only if it does not exist yet (If-None-Match: *); False if it did. Where the
+        server ignores conditional puts it is check, then put: a race can still overwrite."""
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=name, Body=data, IfNoneMatch="*")
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code")
+            if code in PRECONDITION_CODES:
+                return False
+            if code not in UNCONDITIONAL_CODES:
+                raise self._refused(exc, doing) from exc
+            if self._get(name) is not None:
+                return False
+            self._put(name, data)
+        except BotoCoreError:
+            with self._errors(doing):
+                raise
+        return True
 
     def _list(self, prefix: str) -> Iterator[dict[str, Any]]:
         with self._errors(f"list {prefix}"):
@@ -240,6 +269,13 @@ class S3Store(Store):
             verify_files(tmp, meta)  # always: a download is exactly what checksums are for
             self.cache.adopt(EntryMeta.model_validate(meta.model_dump()), tmp)
         return self.cache.open(key, verify=False)
+
+    def verify(self, key: str) -> None:
+        """Downloads the bucket's files into a temp dir (removed after), not the download cache:
+        the cache's copy can be intact while the bucket's, which every other machine gets, is
+        not."""
+        with self.cache.writer(key, "verify") as tmp:
+            self.fetch(key, tmp)
 
     def fetch(self, key: str, dest: Path, prefix: str = "") -> EntryMeta:
         meta = self._require(key)
@@ -331,30 +367,16 @@ class S3Store(Store):
         if replace:
             self._put(name, body)
             return marker
-        try:
-            self.client.put_object(Bucket=self.bucket, Key=name, Body=body, IfNoneMatch="*")
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code")
-            if code in UNCONDITIONAL_CODES:  # no conditional puts: check, put, re-read
-                existing = self.lookup(marker.key)
-                if existing is None:
-                    self._put(name, body)
-                return self._winner(marker)
-            if code not in PRECONDITION_CODES:
-                with self._errors(f"commit {marker.key[:12]}"):
-                    raise
-            self._delete_prefix(self._path("blobs", marker.key, marker.upload) + "/")
-            winner = self.lookup(marker.key)
-            if winner is None:
-                raise StoreError(
-                    f"{self.location} refused the marker of {marker.key[:12]} as already present, "
-                    "but it cannot be read: retry the run"
-                ) from exc
-            return winner
-        except BotoCoreError:
-            with self._errors(f"commit {marker.key[:12]}"):
-                raise
-        return self._winner(marker)
+        if self._put_new(name, body, f"commit {marker.key[:12]}"):
+            return self._winner(marker)
+        self._delete_prefix(self._path("blobs", marker.key, marker.upload) + "/")
+        winner = self.lookup(marker.key)
+        if winner is None:
+            raise StoreError(
+                f"{self.location} refused the marker of {marker.key[:12]} as already present, "
+                "but it cannot be read: retry the run"
+            )
+        return winner
 
     def _winner(self, marker: S3Marker) -> S3Marker:
         """The marker now in the bucket. NOTE: where conditional puts are not enforced, the last
@@ -470,6 +492,10 @@ class S3Store(Store):
 
     def write_document(self, name: str, data: bytes) -> None:
         self._put(self._doc(name), data)
+
+    def create_document(self, name: str, data: bytes) -> None:
+        if not self._put_new(self._doc(name), data, f"create {name}"):
+            raise DocumentExists(name, self.location)
 
     def read_document(self, name: str) -> bytes | None:
         return self._get(self._doc(name))

@@ -7,6 +7,7 @@ hit downloads instead of rebuilding and a job with a miss shares what it built.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +17,10 @@ from qpipe.store.base import Store, StoreError
 from qpipe.store.entry import CorruptEntry, EntryMeta
 from qpipe.store.local import LocalStore
 from qpipe.store.s3 import S3Store
+
+log = logging.getLogger(__name__)
+# The local tier's directory of entries committed here and not yet in the bucket (_unshared).
+UNSHARED = "unshared"
 
 
 class TieredStore(Store):
@@ -37,12 +42,42 @@ class TieredStore(Store):
     def open(self, key: str, verify: bool = True) -> Path:
         if self.local.lookup(key) is not None:
             try:
-                return self.local.open(key, verify)
+                path = self.local.open(key, verify)
             except CorruptEntry as exc:
                 if self.remote.lookup(key) is None:
                     raise
                 self.local.quarantine(key, f"local tier: {exc.problem}")
+            else:
+                self._share_if_unshared(key)
+                return path
         return self.remote.open(key, verify)
+
+    def _unshared(self, key: str) -> Path:
+        """Marks an entry committed here whose upload has not finished: written before the
+        upload, removed after it, so a bucket that was unreachable (or a run killed between the
+        two) leaves a note that the next open acts on, without asking the bucket every time."""
+        return self.local.root / UNSHARED / key
+
+    def _share_if_unshared(self, key: str) -> None:
+        if not self._unshared(key).exists():
+            return
+        try:
+            meta = self.local.lookup(key)
+            if meta is not None and self.remote.lookup(key) is None:
+                self.remote.import_entry(meta, self.local.open(key, verify=False))
+        except StoreError as exc:
+            log.warning("%s is still not shared to %s: %s", key[:12], self.remote.location, exc)
+            return
+        self._unshared(key).unlink(missing_ok=True)
+
+    def verify(self, key: str) -> None:
+        """Each tier that holds the entry (KeyError if neither does): either copy can be the
+        corrupt one. quarantine() then moves both aside."""
+        held = [tier for tier in (self.local, self.remote) if tier.lookup(key) is not None]
+        if not held:
+            raise KeyError(key)
+        for tier in held:
+            tier.verify(key)
 
     def fetch(self, key: str, dest: Path, prefix: str = "") -> EntryMeta:
         if self.local.lookup(key) is not None:
@@ -67,6 +102,8 @@ class TieredStore(Store):
         """With `replace`, each tier swaps its entry as LocalStore and S3Store do, local tier
         first: if the bucket cannot be reached the new build is cached here and the bucket keeps
         the old one, still complete."""
+        self._unshared(key).parent.mkdir(exist_ok=True)
+        self._unshared(key).touch()
         meta = self.local.commit(key, stage, built, metrics, gate, key_inputs, replace)
         try:
             published = self.remote.import_entry(meta, self.local.open(key, verify=False), replace)
@@ -74,13 +111,14 @@ class TieredStore(Store):
             share = (
                 "Force the rebuild again to replace the bucket's copy"
                 if replace
-                else f"Share it later with `qpipe cache push {key[:12]} --to "
-                f"{self.remote.location}`"
+                else "The next run that uses it shares it, or now: `qpipe cache push "
+                f"{key[:12]} --store {self.local.location} --to {self.remote.location}`"
             )
             raise StoreError(
                 f"{stage} {key[:12]} is cached locally in {self.local.location} but was not "
                 f"shared: {exc}. {share}"
             ) from exc
+        self._unshared(key).unlink(missing_ok=True)
         if published.files != meta.files:
             # another machine committed first: use its bytes, as every other machine will
             self.local.remove(key)
@@ -136,6 +174,12 @@ class TieredStore(Store):
     def write_document(self, name: str, data: bytes) -> None:
         self.local.write_document(name, data)
         self.remote.write_document(name, data)
+
+    def create_document(self, name: str, data: bytes) -> None:
+        """The bucket decides who created it (it is what every machine reads); the local tier
+        keeps a copy."""
+        self.remote.create_document(name, data)
+        self.local.write_document(name, data)
 
     def read_document(self, name: str) -> bytes | None:
         remote = self.remote.read_document(name)
