@@ -73,3 +73,15 @@ def test_gc_keep_is_refused_while_a_run_builds(tmp_path: Path) -> None:
             store.gc(keep=set())
         assert store.gc() == []  # plain gc stays safe
     assert store.gc(keep=set()) == []
+
+
+def test_gc_drops_old_orphan_locks_only(tmp_path: Path) -> None:
+    """A writer killed between removing its directory and its lock leaves the lock alone; gc
+    drops it once it is old, and leaves a young one (a writer about to create its directory)."""
+    store = LocalStore(tmp_path / "store")
+    old, young = (store.root / "tmp" / f"convert-{n}.1.abcd{LOCK_SUFFIX}" for n in "ab")
+    old.touch()
+    young.touch()
+    os.utime(old, (0, 0))
+    store.gc()
+    assert not old.exists() and young.exists()

@@ -78,6 +78,7 @@ def start_server(
     api_key: str | None = API_KEY,
     max_queue: int | None = None,
     keepalive_interval_s: float = 15.0,
+    drain_timeout_s: float | None = None,
     **engine_kwargs: object,
 ) -> RunningServer:
     engine_kwargs = {
@@ -96,8 +97,12 @@ def start_server(
     )
     server = DrainingServer(
         uvicorn.Config(
-            build_app(async_engine, settings), host="127.0.0.1", port=0, log_level="warning"
-        ),
+            build_app(async_engine, settings),
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            timeout_graceful_shutdown=drain_timeout_s,
+        ),  # fmt: skip
         async_engine,
     )
     thread = threading.Thread(target=server.run, daemon=True)
@@ -1173,6 +1178,42 @@ def test_keepalives_and_graceful_shutdown_drain(tiny_llama_checkpoint: Path) -> 
         httpx.get(f"{running.url}/health")
 
 
+def test_what_the_drain_deadline_cuts_off_is_told_so(tiny_llama_checkpoint: Path) -> None:
+    """Requests still running at the drain deadline were cut off by uvicorn's cancel: streams
+    ended mid-body (no error, no [DONE]) and a waiting non-streaming request got a plain-text
+    500. Now each gets a 503 in OpenAI's shape, in-band for the stream, and its blocks are free."""
+    running = start_server(tiny_llama_checkpoint, drain_timeout_s=0.5, max_model_len=2048)
+    long = {"model": MODEL, "prompt": "never done", "max_tokens": 2000, "ignore_eos": True}
+    replies: list[httpx.Response] = []
+    waiting = threading.Thread(
+        target=lambda: replies.append(
+            httpx.post(f"{running.url}/v1/completions", json=long, headers=AUTH, timeout=60)
+        )
+    )
+    lines: list[str] = []
+    with httpx.stream("POST", f"{running.url}/v1/completions", json={**long, "stream": True},
+                      headers=AUTH, timeout=60) as response:  # fmt: skip
+        for line in response.iter_lines():
+            if line:
+                lines.append(line)
+            if len(sse_events(lines)) == 1 and not waiting.is_alive() and not replies:
+                waiting.start()
+                time.sleep(0.3)  # the second request is in the engine
+                running.server.should_exit = True
+    waiting.join(timeout=30)
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    error = sse_events(lines)[-1]["error"]
+    assert (error["code"], error["type"]) == (503, "service_unavailable")
+    assert "shut down before the request finished" in error["message"]
+    (reply,) = replies
+    assert reply.status_code == 503, reply.text
+    assert reply.json()["error"]["type"] == "service_unavailable"
+    running.thread.join(timeout=30)
+    assert not running.thread.is_alive()
+    stats = running.engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
 @pytest.mark.slow
 def test_serve_command_binds_localhost_and_exits_cleanly(tiny_llama_checkpoint: Path) -> None:
     """The typer command the CLI wires as `qpipe serve`, as a real process stopped by SIGTERM."""
@@ -1221,7 +1262,7 @@ def test_serve_command_binds_localhost_and_exits_cleanly(tiny_llama_checkpoint: 
     assert logged, f"the KV-cache size is logged: {output}"
     blocks, gib = int(logged[1]), float(logged[2])
     assert blocks > 0 and 0 < gib <= 0.05 + 0.005  # --kv-cache-memory 0.05, plus the scratch block
-    assert logged[3] == f"{blocks * 16 / 128:.1f}"
+    assert logged[3] == str(blocks // (128 // 16))  # whole max_model_len requests
 
 
 def _non_loopback_address() -> str | None:

@@ -43,3 +43,24 @@ def test_step_histogram_renders_what_a_prometheus_histogram_would() -> None:
     assert got[(f"{NAME}_bucket", "0.01")] == 2
     assert got[(f"{NAME}_bucket", "0.1")] == 8
     assert got[(f"{NAME}_bucket", "+Inf")] == got[(f"{NAME}_count", "")] == 10
+
+
+def test_finish_reasons_start_at_zero_and_no_created_series() -> None:
+    """`rate(qpipe:request_success_total{finished_reason="abort"}[5m])` has a series before the
+    first abort (vLLM's are created at 0), and no `_created` gauge doubles every counter."""
+    from qpipe.serve.metrics import ServerMetrics
+
+    def success(metrics: ServerMetrics) -> dict[str, float]:
+        text = generate_latest(metrics.registry).decode()
+        assert "_created" not in text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        return {
+            s.labels["finished_reason"]: s.value
+            for s in families["qpipe:request_success"].samples
+            if s.name.endswith("_total")
+        }
+
+    metrics = ServerMetrics("m")
+    assert success(metrics) == {"stop": 0.0, "length": 0.0, "abort": 0.0}
+    metrics.request_finished("length")
+    assert success(metrics) == {"stop": 0.0, "length": 1.0, "abort": 0.0}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from qpipe.serve.async_engine import EngineUnavailableError
 from qpipe.serve.openai_protocol import ErrorInfo, ErrorResponse
 
 
@@ -33,9 +34,12 @@ class APIError(Exception):
 
 def as_api_error(exc: BaseException) -> APIError:
     """Any failure while serving a request, as the error its client sees: bad input the engine
-    rejected is the client's (400); anything else is the server's (500)."""
+    rejected is the client's (400); a request the shutdown ended is 503 (retry on another
+    replica); anything else is the server's (500)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
+    if isinstance(exc, EngineUnavailableError):
+        return APIError(503, str(exc), error_type="service_unavailable")
     return APIError(500, f"engine error: {exc}", error_type="internal_error")

@@ -33,8 +33,10 @@ from qpipe.serve.layers.attention import KVScales
 from qpipe.serve.layers.linear import LINEAR_KINDS, LinearBase
 from qpipe.serve.loader import read_kv_scales
 from qpipe.serve.models.llama import WeightSource
+from qpipe.serve.weight_files import WeightFiles
 
 ARTIFACT_MARKER = "qpipe_artifact.json"
+ARTIFACT_FIX = "rebuild the artifact (`qpipe run RECIPE` re-runs its build stage)"
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
     "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt",
@@ -46,8 +48,6 @@ class ArtifactWeights:
     layer packed as it is read is never held twice)."""
 
     def __init__(self, path: Path, dtype: torch.dtype, device: torch.device) -> None:
-        from safetensors import safe_open
-
         meta = json.loads((path / ARTIFACT_MARKER).read_text())
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(
@@ -58,29 +58,24 @@ class ArtifactWeights:
         self.kv_cache_fp8 = meta.get("kv_cache") == "fp8"
         self.dtype = dtype
         self.device = device
-        self.file = safe_open(path / "model.safetensors", "pt")
-        self.names: list[str] = list(self.file.keys())
+        self.files = WeightFiles([path / "model.safetensors"], ARTIFACT_FIX)
 
     def has(self, name: str) -> bool:
         return name in self.linears
 
     def tensor(self, name: str) -> torch.Tensor:
-        return self.file.get_tensor(name).to(self.device, self.dtype)
+        return self.files.tensor(name).to(self.device, self.dtype)
 
     def kv_scales(self, attn: str, num_kv_heads: int) -> KVScales | None:
         if not self.kv_cache_fp8:
             return None
-        return read_kv_scales(
-            lambda name: self.file.get_tensor(name) if name in self.names else None,
-            attn,
-            num_kv_heads,
-        ).to(self.device, self.dtype)
+        return read_kv_scales(self.files.get, attn, num_kv_heads).to(self.device, self.dtype)
 
     def linear(self, name: str, parts: list[str]) -> LinearBase:
         kind = self.linears[name]
         prefix = name + "."
         state = {
-            k[len(prefix) :]: self.file.get_tensor(k) for k in self.names if k.startswith(prefix)
+            k[len(prefix) :]: self.files.tensor(k) for k in self.files.where if k.startswith(prefix)
         }
         if kind == "dense":
             state = {k: t.to(self.dtype) for k, t in state.items()}
@@ -129,10 +124,13 @@ def write_artifact(checkpoint_dir: Path, out_dir: Path, dtype: str = "float32") 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     config = read_config_json(checkpoint_dir)
     quantization = QuantizationConfig(config.get("quantization_config"))
-    weights = RecordingWeights(
-        CheckpointWeights(checkpoint_dir, quantization, getattr(torch, dtype), torch.device("cpu"))
+    checkpoint = CheckpointWeights(
+        checkpoint_dir, quantization, getattr(torch, dtype), torch.device("cpu")
     )
-    LlamaForCausalLM(AutoConfig.from_pretrained(checkpoint_dir), weights, max_positions=1)
+    hf_config = AutoConfig.from_pretrained(checkpoint_dir)
+    checkpoint.files.check_against(hf_config)
+    weights = RecordingWeights(checkpoint)
+    LlamaForCausalLM(hf_config, weights, max_positions=1)
     tensors = {name: t.contiguous() for name, t in weights.tensors.items()}
     for name, layer in weights.linears.items():
         for buffer, tensor in layer.state_dict().items():

@@ -3,10 +3,35 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+# EngineConfig's fields as `qpipe serve` spells them, so that an engine error names the flag typed
+ENGINE_FLAGS = {
+    "model": "MODEL",
+    "dtype": "--dtype",
+    "kv_cache_dtype": "--kv-cache-dtype",
+    "device": "--device",
+    "block_size": "--block-size",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_model_len": "--max-model-len",
+    "enable_prefix_caching": "--enable-prefix-caching",
+    "kv_cache_memory_gib": "--kv-cache-memory",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "enforce_eager": "--enforce-eager",
+}
+_FIELD = re.compile(r"EngineConfig\.(\w+)")
+
+
+def in_flags(message: str) -> str:
+    """An engine error as a `qpipe serve` user reads it: the engine names its settings
+    `EngineConfig.<field>` (its library callers set those), which become `--block-size`,
+    `--max-model-len`, ..."""
+    return _FIELD.sub(lambda m: ENGINE_FLAGS.get(m[1], m[0]), message)
 
 
 def resolve_model_path(arg: str, store: str | None = None) -> Path:
@@ -16,10 +41,12 @@ def resolve_model_path(arg: str, store: str | None = None) -> Path:
     if path.is_dir():
         return path
     from qpipe.store.base import DanglingAlias, StoreError
+    from qpipe.store.entry import CorruptEntry
     from qpipe.store.factory import open_store
 
     try:
-        opened = open_store(store)
+        # a store that is not there has no alias: a mistyped --store must not create one
+        opened = open_store(store, create=False)
         record = opened.resolve_alias(arg)
         if record is None:
             raise typer.BadParameter(
@@ -31,7 +58,16 @@ def resolve_model_path(arg: str, store: str | None = None) -> Path:
     except DanglingAlias as exc:
         raise typer.BadParameter(str(exc), param_hint="MODEL") from exc
     except StoreError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--store") from exc
+        raise typer.BadParameter(
+            f"{arg!r} is not a directory, and no alias can be looked up: {exc}",
+            param_hint="--store" if store else "MODEL",
+        ) from exc
+    except CorruptEntry as exc:
+        raise typer.BadParameter(
+            f"alias {arg!r}: {exc}; `qpipe cache verify --quarantine --store "
+            f"{opened.location}` moves it aside, then `qpipe run RECIPE` rebuilds it",
+            param_hint="MODEL",
+        ) from exc
     artifact = entry / "qpipe"
     return artifact if artifact.is_dir() else entry
 
@@ -39,7 +75,7 @@ def resolve_model_path(arg: str, store: str | None = None) -> Path:
 def serve(
     model: Annotated[str, typer.Argument(help="Checkpoint or artifact directory (or alias).")],
     host: Annotated[str, typer.Option(help="Interface to bind; 0.0.0.0 exposes it.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option()] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="0: any free port.")] = 8000,
     max_num_seqs: Annotated[int, typer.Option(help="Most requests in one batch.")] = 64,
     max_num_batched_tokens: Annotated[
         int | None, typer.Option(help="Most tokens in one step (default: 512 on CPU, 2048 on GPU).")
@@ -90,7 +126,7 @@ def serve(
     import uvicorn
     from rich.logging import RichHandler
 
-    from qpipe.console import console
+    from qpipe.console import console, error
     from qpipe.serve.api import ServerSettings, build_app
     from qpipe.serve.async_engine import AsyncLLMEngine
     from qpipe.serve.config import EngineConfig
@@ -127,9 +163,10 @@ def serve(
             async_engine = AsyncLLMEngine(
                 lambda: LLMEngine(config), ServerMetrics(name), max_queue=max_queue
             )
-    except ValueError as exc:
-        console.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(1) from exc
+    except (ValueError, OSError, KeyError) as exc:  # what a checkpoint or a flag got wrong
+        # a KeyError's str() is its message quoted
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        raise error(in_flags(str(message))) from exc
     settings = ServerSettings(
         served_model_name=name,
         model_path=str(path),

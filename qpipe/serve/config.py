@@ -3,6 +3,7 @@ gets."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,9 +77,10 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"EngineConfig.max_model_len must be >= 1, got {self.max_model_len}")
-        if self.kv_cache_memory_gib <= 0:
+        if not 0 < self.kv_cache_memory_gib < math.inf:  # NaN fails both
             raise ValueError(
-                f"EngineConfig.kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}"
+                "EngineConfig.kv_cache_memory_gib must be a finite number > 0, "
+                f"got {self.kv_cache_memory_gib}"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(

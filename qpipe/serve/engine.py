@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from qpipe.serve.config import EngineConfig
@@ -57,12 +58,16 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        from qpipe.serve.loader import read_config_json
         from qpipe.serve.model_runner import ModelRunner
         from qpipe.serve.scheduler import Scheduler
         from qpipe.serve.structured_output import GrammarCompiler
         from qpipe.serve.tokenizer import load_tokenizer
 
         self.config = config
+        # NOTE: checked before the tokenizer, which reads config.json too and would report a
+        # broken one as a tokenizer problem
+        read_config_json(Path(config.model))
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(config.model)
         self.model_runner = ModelRunner(config)
         self.max_model_len: int = self.model_runner.max_model_len

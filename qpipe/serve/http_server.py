@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import socket
@@ -11,6 +12,8 @@ import uvicorn
 from qpipe.serve.async_engine import AsyncLLMEngine
 
 log = logging.getLogger(__name__)
+# Past the drain deadline: how long the aborted requests' clients get for their last bytes.
+FLUSH_S = 2.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -24,9 +27,19 @@ class DrainingServer(uvicorn.Server):
         self.engine = engine
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """At the drain deadline the engine aborts what is unfinished and each client is told (a
+        503, or an error event and [DONE] in its stream); uvicorn cancels the handlers only
+        FLUSH_S later, when those replies are out. Cancelled at the deadline itself, the streams
+        ended mid-body and the waiting requests got a bare 500."""
         timeout = self.config.timeout_graceful_shutdown
         self.engine.begin_drain(math.inf if timeout is None else timeout)
-        await super().shutdown(sockets)
+        if timeout is not None:
+            self.config.timeout_graceful_shutdown = timeout + FLUSH_S
+        ending = asyncio.create_task(self.engine.shutdown())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
 
     async def on_tick(self, counter: int) -> bool:
         """Also ends the server when the engine thread has died. Its requests already have their

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 
 from qpipe.serve.huge_pages import HugePageArena
 from qpipe.serve.layers.attention import KVScales
@@ -31,11 +30,14 @@ from qpipe.serve.layers.linear import (
     has_bf16_dot_product,
     pack_linear_weights,
 )
+from qpipe.serve.weight_files import WeightFiles
 
 if TYPE_CHECKING:
     from qpipe.serve.models.llama import WeightSource
 
 log = logging.getLogger(__name__)
+
+CHECKPOINT_FIX = "copy the checkpoint again from its source (or re-run `qpipe convert`)"
 
 
 @dataclass(frozen=True)
@@ -156,30 +158,18 @@ class CheckpointWeights:
         self.dtype = dtype
         self.device = device
         self.quantization = quantization
-        self._where: dict[str, Path] = {}
-        for file in files:
-            with safe_open(file, "pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open handles have no __iter__
-                    self._where[key] = file
-        self._handles = {file: safe_open(file, "pt") for file in files}
+        self.files = WeightFiles(files, CHECKPOINT_FIX)
 
     def has(self, name: str) -> bool:
-        return any(key.startswith(name + ".") for key in self._where)
-
-    def _raw(self, name: str) -> torch.Tensor | None:
-        file = self._where.get(name)
-        return None if file is None else self._handles[file].get_tensor(name)
+        return any(key.startswith(name + ".") for key in self.files.where)
 
     def tensor(self, name: str) -> torch.Tensor:
-        raw = self._raw(name)
-        if raw is None:
-            raise KeyError(f"tensor {name!r} is missing from the checkpoint")
-        return raw.to(self.device, self.dtype)
+        return self.files.tensor(name).to(self.device, self.dtype)
 
     def kv_scales(self, attn: str, num_kv_heads: int) -> KVScales | None:
         if not self.quantization.kv_cache_fp8:
             return None
-        return read_kv_scales(self._raw, attn, num_kv_heads).to(self.device, self.dtype)
+        return read_kv_scales(self.files.get, attn, num_kv_heads).to(self.device, self.dtype)
 
     def linear(self, name: str, parts: list[str]) -> LinearBase:
         schemes = {self.quantization.scheme_for(part) for part in parts}
@@ -221,22 +211,24 @@ class CheckpointWeights:
 
     def _part(self, part: str, scheme: LayerScheme) -> dict[str, torch.Tensor | None]:
         """One checkpoint linear as weight, weight_scale [out, groups], weight_zero_point?, bias."""
-        bias = self._raw(f"{part}.bias")
+        bias = self.files.get(f"{part}.bias")
         if scheme.format == "dense":
             return {"weight": self.tensor(f"{part}.weight"), "bias": bias}
         if scheme.format == "pack-quantized":
             from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-            shape = torch.Size(self._raw(f"{part}.weight_shape").tolist())
-            weight = unpack_from_int32(self._raw(f"{part}.weight_packed"), scheme.num_bits, shape)
+            shape = torch.Size(self.files.get(f"{part}.weight_shape").tolist())
+            weight = unpack_from_int32(
+                self.files.get(f"{part}.weight_packed"), scheme.num_bits, shape
+            )
         else:
-            weight = self._raw(f"{part}.weight")
+            weight = self.files.get(f"{part}.weight")
         if weight is None:
             raise KeyError(f"{part}: no quantized weight in the checkpoint ({scheme.format})")
-        scale = self._raw(f"{part}.weight_scale").float()
+        scale = self.files.get(f"{part}.weight_scale").float()
         scale = scale.reshape(-1, 1).expand(weight.shape[0], 1) if scale.numel() == 1 else scale
         scale = scale.reshape(weight.shape[0], -1)
-        zero = self._raw(f"{part}.weight_zero_point")
+        zero = self.files.get(f"{part}.weight_zero_point")
         if zero is not None and scheme.format == "pack-quantized" and zero.dtype == torch.int32:
             from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
@@ -244,7 +236,7 @@ class CheckpointWeights:
         if zero is not None and not zero.any():
             zero = None
         if scheme.format == "float-quantized":
-            input_scale = self._raw(f"{part}.input_scale")
+            input_scale = self.files.get(f"{part}.input_scale")
             return {
                 "weight": weight,
                 "weight_scale": scale,
@@ -265,7 +257,13 @@ def read_config_json(path: Path) -> dict:
     file = path / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{path}: no config.json; is this a checkpoint directory?")
-    return json.loads(file.read_text())
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file} is not valid JSON ({exc}); {CHECKPOINT_FIX}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} holds a {type(config).__name__}, not an object; {CHECKPOINT_FIX}")
+    return config
 
 
 def resolve_dtype(requested: str, device: str, checkpoint: dict) -> torch.dtype:
@@ -336,6 +334,7 @@ def load_model(
     else:
         quantization = QuantizationConfig(read_config_json(path).get("quantization_config"))
         weights = CheckpointWeights(path, quantization, dtype, target)
+    weights.files.check_against(hf_config)
     arena = HugePageArena()
     if target.type == "cpu":
         weights = PackingWeights(weights, batch_hint, arena)

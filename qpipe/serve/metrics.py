@@ -1,4 +1,6 @@
-"""Prometheus metrics under vLLM's names with a `qpipe:` prefix, so vLLM dashboards work unchanged.
+"""Prometheus metrics under vLLM's names and labels with `qpipe:` for `vllm:`: a vLLM dashboard
+works once its queries say `qpipe:`, for the series qpipe has (the issue's list, not vLLM's whole
+set: no per-request token histograms, no queue-time histogram).
 
 Each server owns its own registry (several servers can live in one test process). The engine reports
 cumulative counts (prefix-cache queries, preemptions); they become Prometheus counters by deltas.
@@ -11,7 +13,14 @@ from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -27,6 +36,11 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FINISH_REASONS = ("stop", "length", "abort")
+
+# No `_created` gauge beside each counter and histogram, as in vLLM's exposition (process-wide in
+# prometheus_client; the server process has no other registry).
+disable_created_metrics()
 
 
 class StepHistogram(Collector):
@@ -120,6 +134,8 @@ class ServerMetrics:
             [*labels, "finished_reason"],
             registry=self.registry,
         )
+        for reason in FINISH_REASONS:  # at 0 from the start, as vLLM's: rate() needs a series
+            self._request_success.labels(model_name, reason)
         self._model_name = model_name
         self._last_cumulative: dict[str, float] = {}
 

@@ -115,6 +115,15 @@ class ModelRunner:
         self.num_kv_blocks = self._count_kv_blocks(max_len)
         capacity = self.num_kv_blocks * self.block_size
         if capacity < max_len:
+            if config.max_model_len is not None:
+                # as vLLM: a length asked for is served in full or refused, never quietly lowered
+                raise ValueError(
+                    f"EngineConfig.max_model_len={max_len} but the KV cache holds {capacity} "
+                    f"tokens ({self.num_kv_blocks} blocks of {self.block_size}); give it more "
+                    "memory (EngineConfig.kv_cache_memory_gib on CPU, "
+                    "EngineConfig.gpu_memory_utilization on GPU) or lower "
+                    "EngineConfig.max_model_len"
+                )
             log.warning(
                 "KV cache holds %d tokens < max_model_len %d: capping max_model_len",
                 capacity,
@@ -130,10 +139,10 @@ class ModelRunner:
         self.layer_caches = layer_caches(self.kv_cache)
         log.info(
             "KV cache: %d blocks of %d tokens in %s (%.2f GiB); max concurrency at max_model_len "
-            "%d: %.1f; steps of at most %d tokens",
+            "%d: %d; steps of at most %d tokens",
             self.num_kv_blocks, self.block_size, self.kv_cache_dtype_name,
-            self.kv_cache.nbytes / GIB, self.max_model_len, capacity / self.max_model_len,
-            config.token_budget,
+            self.kv_cache.nbytes / GIB, self.max_model_len,
+            self.num_kv_blocks // -(-self.max_model_len // self.block_size), config.token_budget,
         )  # fmt: skip
         if self.kernel_family == "triton" and self.attention_kernel:
             self.warm_up()
@@ -145,6 +154,13 @@ class ModelRunner:
     def _log_kv_scales(self) -> None:
         scales = [layer.kv_scales for layer in self.model.layers if layer.kv_scales is not None]
         if not scales:
+            if self.kv_cache_dtype == torch.float8_e4m3fn:
+                log.warning(
+                    "--kv-cache-dtype %s but the checkpoint calibrated no KV scales: K and V are "
+                    "stored with a scale of 1, and accuracy may suffer; calibrate them with the "
+                    "recipe's quantization.kv_cache: fp8",
+                    self.config.kv_cache_dtype,
+                )
             return
         if self.kv_cache_dtype != torch.float8_e4m3fn:
             log.info("the checkpoint's fp8 KV scales are unused: the cache is %s",

@@ -373,7 +373,7 @@ class OpenAIServing:
                 headers={"Retry-After": str(self.settings.retry_after_s)},
             ) from exc
         except EngineUnavailableError as exc:
-            raise APIError(503, str(exc), error_type="service_unavailable") from exc
+            raise as_api_error(exc) from exc
         return streams
 
     async def merged(

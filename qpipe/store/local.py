@@ -89,6 +89,19 @@ def _in_use(tmp: Path) -> bool:
     return pid.isdigit() and _pid_alive(int(pid))
 
 
+def _drop_orphan_lock(lock: Path) -> None:
+    """Remove a lock whose directory is gone (its writer was killed between the two removals),
+    once it is old enough not to be a writer's that is still creating its directory."""
+    if lock.with_name(lock.name.removesuffix(LOCK_SUFFIX)).exists():
+        return
+    try:
+        young = time.time() - lock.stat().st_mtime < ORPHAN_LOCK_S
+    except FileNotFoundError:
+        return  # its writer finished meanwhile
+    if not young and not _lock_held(lock):
+        lock.unlink(missing_ok=True)
+
+
 def _write_atomic(path: Path, data: bytes, exclusive: bool = False) -> bool:
     """Write a temp file, then move it into place: readers see the old file or the new, never
     half of one. `exclusive` hard-links it instead, which never replaces an existing file: False
@@ -276,10 +289,7 @@ class LocalStore(Store):
         removed = []
         for tmp in (self.root / "tmp").iterdir():
             if tmp.name.endswith(LOCK_SUFFIX):
-                if not tmp.with_name(tmp.name.removesuffix(LOCK_SUFFIX)).exists() and (
-                    time.time() - tmp.stat().st_mtime > ORPHAN_LOCK_S and not _lock_held(tmp)
-                ):
-                    tmp.unlink(missing_ok=True)  # its writer was killed before removing it
+                _drop_orphan_lock(tmp)
                 continue
             if _in_use(tmp):
                 continue

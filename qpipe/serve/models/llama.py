@@ -108,8 +108,15 @@ class LlamaForCausalLM(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(weights.tensor("model.norm.weight"), config.rms_norm_eps)
-        if getattr(config, "tie_word_embeddings", False) or not weights.has("lm_head"):
+        if getattr(config, "tie_word_embeddings", False):
             self.lm_head: LinearBase = DenseLinear(self.embed_tokens, None)
+        elif not weights.has("lm_head"):
+            # transformers would start this head from random values, and vLLM refuses it
+            raise ValueError(
+                "config.json says tie_word_embeddings=false but the weights hold no "
+                "lm_head.weight; copy the checkpoint again with its lm_head, or set "
+                "tie_word_embeddings: true if the model shares its embeddings with its output"
+            )
         else:
             self.lm_head = weights.linear("lm_head", ["lm_head"])
 
