@@ -78,6 +78,21 @@ def test_detokenizer_cuts_at_stop_string_and_holds_back_its_prefix(tokenizer) ->
     assert not any("thr" in piece for piece in sent), "a stop-string prefix must not be sent"
 
 
+def test_stop_text_is_left_out_unless_included(tokenizer) -> None:  # noqa: ANN001
+    """vLLM's rule: the matched stop string, and the text of the token that stopped the request
+    (EOS or a stop token id), stay out of the output unless include_stop_str_in_output."""
+    ids = encode(tokenizer, "one two three four")
+    for include, expected in ((False, "one two "), (True, "one two three")):
+        detok = IncrementalDetokenizer(tokenizer, [], stop=["three"], include_stop=include)
+        sent = "".join(detok.add_tokens([token_id]) for token_id in ids)
+        assert detok.stopped and sent + detok.flush() == expected
+    last = encode(tokenizer, "one two.")
+    for include, expected in ((False, "one two"), (True, "one two.")):
+        detok = IncrementalDetokenizer(tokenizer, [], include_stop=include)
+        text = detok.add_tokens(last, stop_terminated=True) + detok.flush()
+        assert text == expected
+
+
 def test_detokenizer_ignores_stop_strings_within_min_tokens(tokenizer) -> None:  # noqa: ANN001
     first_two = len(encode(tokenizer, "one two"))
     detok = IncrementalDetokenizer(tokenizer, [], stop=["two"], min_tokens=first_two)

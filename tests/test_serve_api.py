@@ -294,6 +294,19 @@ def test_stop_string_echo_logprobs_and_batch_prompts(tiny_server: RunningServer)
     assert cut["choices"][0]["finish_reason"] == "stop"
     assert cut["usage"]["completion_tokens"] < 24
 
+    kept = {**base, "stop": [stop], "include_stop_str_in_output": True}
+    kept_text = httpx.post(url, json=kept, headers=AUTH, timeout=30).json()["choices"][0]["text"]
+    assert kept_text == text[: text.index(stop) + len(stop)]
+    # A token that stops the request (here: any token) leaves its text out, as in vLLM
+    every = list(range(tiny_server.engine.vocab_size))
+    first = httpx.post(url, json={**base, "max_tokens": 1}, headers=AUTH, timeout=30).json()
+    for include, expected in ((False, ""), (True, first["choices"][0]["text"])):
+        body = {**base, "stop_token_ids": every, "include_stop_str_in_output": include}
+        reply = httpx.post(url, json=body, headers=AUTH, timeout=30).json()
+        assert reply["choices"][0]["text"] == expected and expected == text[: len(expected)]
+        assert reply["choices"][0]["finish_reason"] == "stop"
+        assert reply["usage"]["completion_tokens"] == 1
+
     echo = httpx.post(url, json={**base, "echo": True}, headers=AUTH, timeout=30).json()
     assert echo["choices"][0]["text"] == base["prompt"] + text
 

@@ -215,11 +215,12 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         stop: Sequence[str] = (),
+        include_stop: bool = False,
     ) -> RequestStream:
         if not self._accepting or not self.healthy:
             raise EngineUnavailableError("the server is shutting down or its engine failed")
         detokenizer = IncrementalDetokenizer(
-            self.engine.tokenizer, prompt_token_ids, stop, params.min_tokens
+            self.engine.tokenizer, prompt_token_ids, stop, params.min_tokens, include_stop
         )
         state = _RequestState(asyncio.get_running_loop(), PendingChunks(), detokenizer)
         with self._lock:
@@ -374,7 +375,8 @@ class AsyncLLMEngine:
         state.last_token_time = now
 
         detokenizer = state.detokenizer
-        text = detokenizer.add_tokens(output.new_token_ids)
+        stop_token = output.finished and output.finish_reason == "stop"  # EOS or a stop id
+        text = detokenizer.add_tokens(output.new_token_ids, stop_terminated=stop_token)
         finished, finish_reason = output.finished, output.finish_reason
         if detokenizer.stopped:
             if not finished:

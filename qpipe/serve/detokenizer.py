@@ -108,9 +108,12 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         min_tokens: int = 0,
+        include_stop: bool = False,
     ) -> None:
         """Stop strings are looked for once more than `min_tokens` tokens came (vLLM's rule):
-        text the first `min_tokens` tokens complete cannot stop the request."""
+        text the first `min_tokens` tokens complete cannot stop the request. As in vLLM, the
+        matched stop string and the text of a token that stopped the request (EOS, a stop token
+        id) are left out unless `include_stop` (`include_stop_str_in_output`)."""
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         backend = backend_of(tokenizer)
         self._decoder: _StreamDecoder | _WindowDecoder = (
@@ -121,13 +124,17 @@ class IncrementalDetokenizer:
         self._num_output_tokens = 0
         self._min_tokens = min_tokens
         self._stop = [s for s in stop if s]
+        self._include_stop = include_stop
         self._longest_stop = max(map(len, self._stop), default=0)
         self.text = ""  # all output text decoded so far (cut before a stop string once one is hit)
         self._emitted = 0  # how many characters of `text` were handed out
         self.stopped = False
 
-    def add_tokens(self, token_ids: Sequence[int]) -> str:
-        """Adds sampled tokens; returns the text that is now safe to send (may be "")."""
+    def add_tokens(self, token_ids: Sequence[int], stop_terminated: bool = False) -> str:
+        """Adds sampled tokens; returns the text that is now safe to send (may be ""). With
+        `stop_terminated`, the last token is the one that stopped the request."""
+        if stop_terminated and not self._include_stop:
+            token_ids = token_ids[:-1]
         for token_id in token_ids:
             if self.stopped:
                 break
@@ -147,14 +154,15 @@ class IncrementalDetokenizer:
             self._check_stop(search_from)
 
     def _check_stop(self, search_from: int) -> None:
-        hits = [i for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
+        hits = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, stop = min(hits)
+            self.text = self.text[: at + len(stop) if self._include_stop else at]
             self.stopped = True
 
     def _take(self, hold_back: bool) -> str:
         end = len(self.text)
-        if hold_back and self._stop:
+        if hold_back and self._stop and not self._include_stop:  # shown either way: no hold
             end -= self._stop_prefix_len()
         end = max(end, self._emitted)
         out = self.text[self._emitted : end]

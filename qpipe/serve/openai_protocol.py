@@ -84,6 +84,8 @@ class SamplingRequest(_Request):
     seed: int | None = Field(default=None, ge=INT64[0], le=INT64[1])
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # vLLM's extension: keep the matched stop string, or the text of the stop token, in the output
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False

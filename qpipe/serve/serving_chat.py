@@ -96,7 +96,9 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse | AsyncIterator[bytes]:
         prompt, params, forced = await self._prepare(body)
         await self.compile_structured_output(body, params)
-        streams = self.start([prompt], [params], body.stop_strings(), body.n)
+        streams = self.start(
+            [prompt], [params], body.stop_strings(), body.n, body.include_stop_str_in_output
+        )
         if body.stream:
             return self._stream(body, streams, len(prompt), forced)
         results = await self.collect(streams, disconnected)

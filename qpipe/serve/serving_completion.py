@@ -106,7 +106,9 @@ class OpenAIServingCompletion(OpenAIServing):
             params if body.max_tokens is not None else replace(params, max_tokens=room)
             for room in (self.max_model_len - len(p) for p in prompts)
         ]
-        streams = self.start(prompts, per_prompt, body.stop_strings(), n)
+        streams = self.start(
+            prompts, per_prompt, body.stop_strings(), n, body.include_stop_str_in_output
+        )
         echoes = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
         if body.stream:
             return self._stream(body, streams, prompts, echoes)

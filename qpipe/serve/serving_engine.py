@@ -341,6 +341,7 @@ class OpenAIServing:
         params: Sequence[SamplingParams],
         stop: list[str],
         n: int = 1,
+        include_stop: bool = False,
     ) -> list[RequestStream]:
         """One engine request per choice: `n` per prompt (`params[i]` for prompt i),
         prompt-major, as OpenAI numbers the choices. With a seed, choice j draws with seed + j (as
@@ -362,7 +363,9 @@ class OpenAIServing:
                     if prompt_params.seed is not None:
                         choice = replace(prompt_params, seed=prompt_params.seed + j)
                     request_id = f"{base}-{i * n + j}"
-                    streams.append(self.engine.add_request(request_id, ids, choice, stop))
+                    streams.append(
+                        self.engine.add_request(request_id, ids, choice, stop, include_stop)
+                    )
         except QueueFullError as exc:
             for stream in streams:
                 stream.abort()
