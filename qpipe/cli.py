@@ -113,7 +113,9 @@ def _note(stage: Any) -> str:
         return _reason(stage)
     metrics = stage.metrics or {}
     if stage.gate is not None:
-        return "gates passed" if stage.gate.get("passed") else "GATES FAILED"
+        verdict = "gates passed" if stage.gate.get("passed") else "GATES FAILED"
+        regressed = metrics.get("regressions")  # bench, against its accepted baseline
+        return f"{verdict}; regressed: {regressed}" if regressed else verdict
     if "max_abs_logit_diff" in metrics:
         return (
             f"verified: max |Δlogit| {metrics['max_abs_logit_diff']:.3g} "

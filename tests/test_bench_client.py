@@ -16,14 +16,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from aiohttp import web
 from typer.testing import CliRunner
 
 from qpipe.bench.cli import bench_app
-from qpipe.bench.client import Target, arrival_gaps, run_load
+from qpipe.bench.client import RequestResult, Target, arrival_gaps, run_load, send_request
 from qpipe.bench.config import LoadProfile
-from qpipe.bench.dataset import BenchPrompt, load_prompts
+from qpipe.bench.dataset import BenchPrompt, prompt_sets, random_prompts
 from qpipe.bench.history import History, history_path
 from qpipe.bench.metrics import compute_metrics, parse_goodput
 from qpipe.bench.runner import BenchError, BenchOptions, run_benchmark
@@ -35,6 +36,7 @@ TTFT_S = 0.2
 STEP_S = 0.04  # per token; two tokens per chunk
 TOKENS_PER_CHUNK = 2
 GAPS_MS = 7 * TOKENS_PER_CHUNK * STEP_S * 1000  # between the first and the last of 8 chunks
+EMPTY_FIRST_PAUSE_S = 0.4
 
 
 class WordTokenizer:
@@ -52,10 +54,13 @@ class WordTokenizer:
 
 class ScriptedServer:
     """`/{mode}/v1/...`: `ok`, `nousage`, `flaky` (every 4 requests: ok, HTTP 500, dropped
-    mid-stream, cut without [DONE]), `stall` (one chunk, then silence), `keepalive` (comments)."""
+    mid-stream, cut without [DONE]), `stall` (one chunk, then silence), `keepalive` (comments),
+    `emptyfirst` (a first chunk with empty text, the text after a pause, as qpipe's server streams
+    a special first token), `nochoices` (only a usage event, then [DONE])."""
 
     def __init__(self) -> None:
         self.counter = itertools.count()
+        self.received: dict[str, list[str]] = {}  # the prompts each mode was sent
         self.loop = asyncio.new_event_loop()
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -93,6 +98,7 @@ class ScriptedServer:
         body = await request.json()
         chat = "messages" in body
         prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        self.received.setdefault(mode, []).append(prompt)
         turn = next(self.counter) % 4 if mode == "flaky" else 0
         if turn == 1:
             return web.json_response({"error": {"message": "engine overloaded"}}, status=500)
@@ -106,6 +112,16 @@ class ScriptedServer:
                 await response.write(b": keep-alive\n\n")
                 await asyncio.sleep(0.1)
         await asyncio.sleep(TTFT_S)
+        if mode == "nochoices":
+            usage = {"prompt_tokens": 1, "completion_tokens": body["max_tokens"]}
+            await response.write(
+                f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+            )
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        if mode == "emptyfirst":
+            await response.write(f"data: {json.dumps({'choices': [{'text': ''}]})}\n\n".encode())
+            await asyncio.sleep(EMPTY_FIRST_PAUSE_S)
         for index in range(body["max_tokens"] // TOKENS_PER_CHUNK):
             if index > 0:
                 await asyncio.sleep(STEP_S * TOKENS_PER_CHUNK)
@@ -145,7 +161,7 @@ def server() -> Iterator[ScriptedServer]:
 
 
 def _prompts(num: int, output_len: int = 16) -> list[BenchPrompt]:
-    return load_prompts("random", WordTokenizer(), num, 32, output_len)
+    return random_prompts(WordTokenizer(), num, 32, output_len)
 
 
 def test_figures_are_consistent_with_the_scripted_server(server: ScriptedServer) -> None:
@@ -198,6 +214,37 @@ def test_errors_and_dropped_streams_are_counted_with_reasons(server: ScriptedSer
     assert compute_metrics(garbage).failed_reasons == {"malformed event": 2}
 
 
+def test_ttft_is_the_first_chunk_with_choices_even_with_empty_text(server: ScriptedServer) -> None:
+    load = asyncio.run(run_load(Target(server.url("emptyfirst"), "m"), _prompts(2), 2))
+    m = compute_metrics(load)
+    assert (m.completed, m.failed) == (2, 0)
+    for r in load.results:
+        assert TTFT_S <= r.ttft < TTFT_S + EMPTY_FIRST_PAUSE_S / 2  # not at the first text
+        assert len(r.itl) == 8  # every chunk after the empty first one, the pause included
+        assert r.itl[0] >= EMPTY_FIRST_PAUSE_S
+        assert r.ttft + sum(r.itl) == pytest.approx(r.latency, abs=0.05)
+
+
+def test_a_stream_without_choices_fails_instead_of_timing_ttft_zero(
+    server: ScriptedServer,
+) -> None:
+    load = asyncio.run(run_load(Target(server.url("nochoices"), "m"), _prompts(2), 2))
+    m = compute_metrics(load, parse_goodput("ttft:1"))
+    assert (m.completed, m.failed, m.request_goodput) == (0, 2, 0.0)
+    assert m.errors == ["never received a chunk to time TTFT (no event carried `choices`)"] * 2
+
+
+def test_a_dropped_stream_without_a_message_names_the_exception() -> None:
+    def drop(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadError("")
+
+    async def send() -> RequestResult:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(drop)) as client:
+            return await send_request(client, Target("http://x", "m"), _prompts(1)[0])
+
+    assert asyncio.run(send()).error == "connection dropped mid-stream: ReadError"
+
+
 def test_stalled_and_trickling_servers_fail_in_bounded_time(server: ScriptedServer) -> None:
     start = time.perf_counter()
     stalled = asyncio.run(
@@ -235,6 +282,38 @@ def test_warm_up_failure_names_the_endpoint(server: ScriptedServer) -> None:
     profile = LoadProfile(input_len=8, output_len=4, concurrency=1, num_prompts=1)
     with pytest.raises(BenchError, match="warm-up request to http://127.0.0.1:9"):
         run_benchmark(target, [profile], BenchOptions(), WordTokenizer(), show_progress=False)
+
+
+def test_levels_repeats_and_the_warm_up_send_their_own_dataset_prompts(
+    server: ScriptedServer, tmp_path: Path
+) -> None:
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(json.dumps({"prompt": f"question {i}"}) for i in range(20)))
+    profiles = [
+        LoadProfile(input_len=8, output_len=4, concurrency=c, num_prompts=4) for c in (1, 2)
+    ] * 2  # two repeats
+    options = BenchOptions(dataset=str(dataset), seed=5)
+    target = Target(server.url("dataset"), "m")
+    run_benchmark(target, profiles, options, WordTokenizer(), show_progress=False)
+    sent = server.received["dataset"]
+    assert len(sent) == 1 + 4 * 4 and len(set(sent)) == len(sent)  # the warm-up's is sent first
+
+
+def test_dataset_prompts_move_with_the_seed_and_a_small_dataset_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(json.dumps({"prompt": f"question {i}"}) for i in range(6)))
+    pair = [LoadProfile(num_prompts=3)] * 2
+
+    def texts(profiles: list[LoadProfile], seed: int) -> list[list[str]]:
+        return [[p.prompt for p in s] for s in prompt_sets(str(dataset), None, profiles, seed)]
+
+    first, second = texts(pair, seed=0)
+    assert not set(first) & set(second) and not caplog.records
+    assert texts(pair, seed=1) != [first, second]
+    assert [len(s) for s in texts(pair * 2, seed=0)] == [3] * 4  # dealt again from the start...
+    assert "holds 6 prompts but this run sends 12" in caplog.text  # ...and said so
 
 
 def test_cli_writes_results_plots_and_history(server: ScriptedServer, tmp_path: Path) -> None:
@@ -297,10 +376,32 @@ def test_cli_names_a_tokenizer_path_that_holds_no_tokenizer(tmp_path: Path) -> N
 
 
 def test_cli_names_the_option_of_a_load_value_out_of_range(tmp_path: Path) -> None:
-    for option, value in (("--request-rate", "-1"), ("--input-len", "0")):
+    for option, value in (("--request-rate", "-1"), ("--input-len", "0"), ("--num-prompts", "0")):
         args = ["--endpoint", "http://127.0.0.1:9", "--model", "m", option, value]
         result = CliRunner().invoke(bench_app, [*args, "--store", str(tmp_path / "store")])
         assert result.exit_code == 2, result.output
         text = " ".join(result.output.split())
         assert f"{option} {value}" in text and "greater than 0" in text
         assert "errors.pydantic.dev" not in text
+
+
+def test_cli_refuses_options_that_would_run_nothing_or_fail_later(tmp_path: Path) -> None:
+    cases = [
+        (["--repeats", "0"], "--repeats 0: run every level at least once (>= 1)"),
+        (["--concurrency", ","], "--concurrency ',': give at least one level"),
+        (["--timeout", "0"], "--timeout 0: give the seconds to wait for data, > 0"),
+        (["--timeout", "-1"], "--timeout -1: give the seconds to wait for data, > 0"),
+    ]
+    for index, value in enumerate((0, "12", 1.5)):
+        dataset = tmp_path / f"prompts{index}.jsonl"
+        dataset.write_text(
+            f'{{"prompt": "hi"}}\n{{"prompt": "q", "output_len": {json.dumps(value)}}}'
+        )
+        cases.append(
+            (["--dataset", str(dataset)], f'{dataset}:2: "output_len" is {value!r}; give a whole')
+        )
+    for extra, expected in cases:
+        args = ["--endpoint", "http://127.0.0.1:9", "--model", "m", *extra]
+        result = CliRunner().invoke(bench_app, [*args, "--store", str(tmp_path / "store")])
+        assert result.exit_code == 2, result.output
+        assert expected in " ".join(result.output.split()), result.output

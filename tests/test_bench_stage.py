@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from qpipe.bench.client import Target
+from qpipe.bench.client import LoadResult, RequestResult, Target
 from qpipe.bench.config import LoadProfile
 from qpipe.bench.dataset import load_tokenizer
 from qpipe.bench.history import History, history_path
-from qpipe.bench.runner import WARMUP_OUTPUT_LEN, BenchOptions, run_benchmark
+from qpipe.bench.metrics import compute_metrics
+from qpipe.bench.runner import WARMUP_OUTPUT_LEN, BenchOptions, LevelResult, run_benchmark
 from qpipe.bench.server_process import BuiltinServer
 from qpipe.recipe import parse_recipe
 from qpipe.stages.base import StageContext, StageError
@@ -33,6 +35,78 @@ def test_goodput_gate_without_slos_is_a_recipe_error(tmp_path: Path) -> None:
     ctx = StageContext(recipe, tmp_path, tmp_path, {"build": tmp_path}, LocalStore(tmp_path / "s"))
     with pytest.raises(StageError, match="set bench.goodput"):
         BenchStage().run(ctx)
+
+
+PROFILE = LoadProfile(input_len=16, output_len=8, concurrency=4, num_prompts=12)
+LABEL = "random:in16:out8:c4:rateinf:n12"
+
+
+def _level(duration_s: float, failed: int = 0) -> LevelResult:
+    """12 requests of 8 tokens each; a longer duration is a slower server."""
+    ok = RequestResult(16, success=True, output_len=8, ttft=0.05, itl=[0.01] * 7, latency=0.12)
+    results = [ok] * (12 - failed) + [RequestResult(16, error="HTTP 500: boom")] * failed
+    return LevelResult(PROFILE, compute_metrics(LoadResult(results, duration_s)), "20250101-0000")
+
+
+def _report(tmp_path: Path, level: LevelResult, bench: str = "{}"):  # noqa: ANN202 - StageResult
+    """The bench stage's report of one measured level, its history in tmp_path/store."""
+    recipe = parse_recipe(f"name: x\nmodel: {{source: /m}}\nbench: {bench}")
+    out = Path(tempfile.mkdtemp(dir=tmp_path))
+    ctx = StageContext(recipe, tmp_path, out, {"build": tmp_path}, LocalStore(tmp_path / "store"))
+    target = Target("http://127.0.0.1:1", "m")
+    return BenchStage()._report(ctx, recipe.bench, target, BenchOptions(), [level], scaled=False)
+
+
+def test_stage_warns_of_regressions_without_failing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _report(tmp_path, _level(1.0)).gate.passed  # the first clean run is the baseline
+    result = _report(tmp_path, _level(2.0))  # half the throughput
+    assert result.gate is not None and result.gate.passed
+    assert f"{LABEL}: output_throughput: 48 vs baseline 96" in result.metrics["regressions"]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning:" in line]
+    assert len(warnings) == 2 and all(LABEL in line for line in warnings)  # output, request tput
+    assert [r.accepted for r in History(history_path(tmp_path / "store")).runs("x")] == [
+        False, True,
+    ]  # fmt: skip
+
+
+def test_fail_on_regression_makes_it_a_gate(tmp_path: Path) -> None:
+    _report(tmp_path, _level(1.0))
+    result = _report(tmp_path, _level(2.0), "{fail_on_regression: true}")
+    assert result.gate is not None and not result.gate.passed
+    assert result.gate.failures[0].startswith(f"regressed: {LABEL}: output_throughput: 48")
+
+
+def test_stage_flags_failed_requests_against_the_baseline_and_keeps_them_out(
+    tmp_path: Path,
+) -> None:
+    _report(tmp_path, _level(1.0))
+    result = _report(tmp_path, _level(2 / 3, failed=4))  # the same throughput from 8 requests
+    assert result.gate is not None and not result.gate.passed
+    assert result.metrics["regressions"] == f"{LABEL}: requests: 4 of 12 requests failed"
+    assert [r.accepted for r in History(history_path(tmp_path / "store")).runs("x")] == [
+        False, True,
+    ]  # fmt: skip
+
+
+def test_bench_accept_refuses_failed_requests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from qpipe.bench import runner
+    from qpipe.bench.cli import bench_app
+
+    levels = [_level(1.0), _level(1.0, failed=12)]
+    monkeypatch.setattr(runner, "run_benchmark", lambda *args, **kwargs: levels)
+    args = ["--endpoint", "http://127.0.0.1:1", "--model", "m", "--store", str(tmp_path)]
+    result = CliRunner().invoke(bench_app, [*args, "--accept"])
+    assert result.exit_code == 1, result.output
+    assert "accepted baseline: runs 1 in" in result.output
+    assert "not accepted as a baseline" in result.output
+    assert f"run 2 [{LABEL}]: 12 of 12 requests failed" in result.output
+    assert [r.accepted for r in History(history_path(tmp_path)).runs()] == [False, True]
 
 
 @pytest.mark.slow

@@ -377,6 +377,14 @@ def test_a_failure_is_reported_without_its_stage_name_twice() -> None:
     assert _note(other) == "evaluate: a reason naming another stage"
 
 
+def test_a_bench_regression_shows_in_the_run_table() -> None:
+    """A regression against the accepted baseline is information (exit 0) but not a silent one."""
+    metrics = {"regressions": "c=8: output_throughput 41.7% worse"}
+    bench = PlannedStage("bench", "ran", metrics=metrics, gate={"passed": True})
+    assert _note(bench) == "gates passed; regressed: c=8: output_throughput 41.7% worse"
+    assert _note(PlannedStage("bench", "ran", metrics={}, gate={"passed": True})) == "gates passed"
+
+
 def test_a_stale_check_runs_on_a_runner_without_a_local_copy(
     setup,
     s3_env,  # type: ignore[no-untyped-def]

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from pydantic import ValidationError
+from rich.markup import escape
 from rich.table import Table
 
 from qpipe.bench.config import LoadProfile
@@ -95,6 +96,12 @@ def bench(
 
     try:
         levels = [_int(c, "--concurrency") for c in concurrency.split(",") if c.strip()]
+        if not levels:
+            raise ValueError(f"--concurrency {concurrency!r}: give at least one level, e.g. 1,8,32")
+        if repeats < 1:
+            raise ValueError(f"--repeats {repeats}: run every level at least once (>= 1)")
+        if timeout <= 0:
+            raise ValueError(f"--timeout {timeout:g}: give the seconds to wait for data, > 0")
         rate = None if request_rate.strip().lower() == "inf" else float(request_rate)
         options = BenchOptions(dataset, burstiness, parse_goodput(goodput), seed, warmup)
         profiles = [
@@ -102,7 +109,7 @@ def bench(
                 input_len=input_len,
                 output_len=output_len,
                 concurrency=c,
-                num_prompts=num_prompts or max(8, 4 * c),
+                num_prompts=max(8, 4 * c) if num_prompts is None else num_prompts,
                 request_rate=rate,
             )
             for c in levels
@@ -152,18 +159,43 @@ def bench(
         for path in write_plots(results, plot_dir):
             out.print(f"plot: {path}")
     if record:
-        from qpipe.bench.history import History, hardware_string, history_path
+        _record(results, store, alias or model, hardware, dataset, accept)
 
-        history = History(history_path(store or default_store_dir()))
-        hw = hardware or hardware_string()
-        ids = [
-            history.record(
-                alias or model, hw, lv.profile_label(dataset), lv.metrics.summary(), accept
-            )
-            for lv in results
-        ]
-        state = "accepted baseline" if accept else "recorded"
-        out.print(f"{state}: runs {', '.join(map(str, ids))} in {history.path}")
+
+def _record(
+    results: list[LevelResult],
+    store: Path | None,
+    alias: str,
+    hardware: str | None,
+    dataset: str,
+    accept: bool,
+) -> None:
+    """Every level into the history; with `accept`, as baselines unless `baseline_refusal` says
+    otherwise, and then exit 1 naming them: a refused --accept must not pass as a good CI run."""
+    from qpipe.bench.history import History, hardware_string, history_path
+    from qpipe.bench.regression import baseline_refusal
+
+    history = History(history_path(store or default_store_dir()))
+    hw = hardware or hardware_string()
+    accepted: list[int] = []
+    recorded: list[int] = []
+    refused: list[str] = []
+    for lv in results:
+        summary, label = lv.metrics.summary(), lv.profile_label(dataset)
+        refusal = baseline_refusal(summary) if accept else None
+        run_id = history.record(alias, hw, label, summary, accept and refusal is None)
+        (accepted if accept and refusal is None else recorded).append(run_id)
+        if refusal is not None:
+            refused.append(f"run {run_id} [{label}]: {refusal}")
+    for state, ids in (("accepted baseline", accepted), ("recorded", recorded)):
+        if ids:
+            out.print(f"{state}: runs {', '.join(map(str, ids))} in {history.path}", markup=False)
+    if refused:
+        raise error(
+            "not accepted as a baseline (a baseline needs every request to complete):\n  "
+            + "\n  ".join(refused)
+            + "\nthe failures are listed above; fix the server or lower the load, then run again"
+        )
 
 
 def write_results(
@@ -271,7 +303,7 @@ def compare(
     accept: Annotated[bool, typer.Option(help="Accept the runs that do not regress")] = False,
 ) -> None:
     """Flag regressions against the last accepted baseline of the same alias/hardware/profile.
-    Exits 1 when any run regressed."""
+    Exits 1 when any run regressed, or --accept refused one (failed requests)."""
     from qpipe.bench.history import History, history_path
     from qpipe.bench.regression import NoiseBand
     from qpipe.bench.regression import compare as compare_run
@@ -292,23 +324,29 @@ def compare(
         raise error(
             f"no benchmark runs in {hist.path}; run `qpipe bench --endpoint URL` first", code=2
         )
-    regressed = False
+    failed = False
     for row in candidates:
         result = compare_run(hist, row, band)
-        head = f"run {row.id} [{row.alias} | {row.hardware} | {row.profile}]"
+        head = escape(f"run {row.id} [{row.alias} | {row.hardware} | {row.profile}]")
         if result.baseline is None:
             out.print(f"{head}: no accepted baseline yet")
         elif result.regressed:
-            regressed = True
+            failed = True
             out.print(f"[red]{head}: REGRESSION vs run {result.baseline.id}")
             for line in result.describe():
-                out.print(f"  {line}")
+                out.print(f"  {line}", markup=False)
         else:
             out.print(f"[green]{head}: within noise of run {result.baseline.id}")
-        if accept and not result.regressed:
+        if accept and result.acceptable:
             hist.accept(row.id)
             out.print(f"  accepted run {row.id}")
-    if regressed:
+        elif accept and not result.regressed:  # no baseline yet, and unfit to be one
+            failed = True
+            out.print(
+                f"  [red]not accepted: {result.refusal}[/]; a baseline needs every request to "
+                "complete: fix the server or lower the load and bench again"
+            )
+    if failed:
         raise typer.Exit(1)
 
 

@@ -1,10 +1,11 @@
 """The async streaming client: sends prompts to an OpenAI-compatible server at a request rate
 under a concurrency cap, and times every streamed chunk.
 
-Timing follows `vllm bench serve`: TTFT is the time to the first chunk that carries text, ITL the
-gaps between later text chunks, latency the time to the end of the stream. Token counts come from
-the server's `usage` (asked for with `stream_options.include_usage`) or, when it sends none, from
-the tokenizer — never from the number of chunks, which servers are free to batch.
+Timing follows `vllm bench serve`: TTFT is the time to the first chunk that carries `choices` (even
+with empty text: servers send the first token's chunk before detokenizing it to anything), ITL the
+gaps between later `choices` chunks, latency the time to the end of the stream. Token counts come
+from the server's `usage` (asked for with `stream_options.include_usage`) or, when it sends none,
+from the tokenizer — never from the number of chunks, which servers are free to batch.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ async def send_request(
     except httpx.ConnectError as exc:
         result.error = f"connect error: {exc}"
     except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
-        result.error = f"connection dropped mid-stream: {exc or type(exc).__name__}"
+        result.error = f"connection dropped mid-stream: {str(exc) or type(exc).__name__}"
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     else:
@@ -127,6 +128,7 @@ async def _stream(
             detail = (await response.aread()).decode(errors="replace")[:200]
             raise StreamError(f"HTTP {response.status_code}: {detail}")
         last = start
+        first_chunk = True
         done = False
         async for payload in _sse_data(response.aiter_lines()):
             if payload == "[DONE]":
@@ -144,17 +146,20 @@ async def _stream(
             if usage:
                 result.output_len = usage.get("completion_tokens", result.output_len)
                 result.prompt_len = usage.get("prompt_tokens") or result.prompt_len
-            text = _chunk_text(chunk, target.chat)
-            if text:
+            choices = chunk.get("choices")
+            if choices:
                 now = time.perf_counter()
-                if result.ttft == 0.0:
+                if first_chunk:
                     result.ttft = now - start
+                    first_chunk = False
                 else:
                     result.itl.append(now - last)
                 last = now
-                result.generated_text += text
+                result.generated_text += _choice_text(choices[0], target.chat)
         if not done:
             raise StreamError("stream ended without [DONE] (cut by a proxy or the server)")
+        if first_chunk:
+            raise StreamError("never received a chunk to time TTFT (no event carried `choices`)")
         result.latency = time.perf_counter() - start
 
 
@@ -165,13 +170,10 @@ async def _sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
             yield line[5:].strip()
 
 
-def _chunk_text(chunk: dict, chat: bool) -> str:
-    choices = chunk.get("choices") or []
-    if not choices:
-        return ""
+def _choice_text(choice: dict, chat: bool) -> str:
     if chat:
-        return (choices[0].get("delta") or {}).get("content") or ""
-    return choices[0].get("text") or ""
+        return (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""
 
 
 def arrival_gaps(num: int, request_rate: float | None, burstiness: float, seed: int) -> list[float]:

@@ -23,4 +23,7 @@ class BenchConfig(Section):
     max_tpot_p99_ms: float | None = Field(default=None, gt=0)
     min_goodput: float | None = Field(default=None, gt=0)
     goodput: dict[str, float] = Field(default_factory=dict)
+    fail_on_regression: bool = Field(
+        default=False, description="A regression against the accepted baseline fails the gate."
+    )
     server_args: dict[str, str | int | float | bool] = Field(default_factory=dict)

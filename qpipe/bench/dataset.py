@@ -7,11 +7,17 @@ comparable with `vllm bench serve` runs of the same shape.
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from qpipe.bench.config import LoadProfile
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizer(Protocol):
@@ -80,11 +86,14 @@ def random_prompts(
     return prompts
 
 
-def jsonl_prompts(
-    path: Path, tokenizer: Tokenizer | None, num_prompts: int, output_len: int
-) -> list[BenchPrompt]:
-    """Prompts from a JSONL file: one object per line with `prompt` (or `text`), optional
-    `output_len`. Lines are cycled when the file holds fewer than `num_prompts`."""
+@dataclass(frozen=True)
+class DatasetRow:
+    text: str
+    output_len: int | None  # None: the load profile's output length
+
+
+def jsonl_rows(path: Path) -> list[DatasetRow]:
+    """A JSONL file: one object per line with `prompt` (or `text`), optional `output_len`."""
     rows = []
     for line_no, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
@@ -96,56 +105,87 @@ def jsonl_prompts(
         text = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
         if not isinstance(text, str):
             raise ValueError(f'{path}:{line_no}: each line needs a "prompt" (or "text") string')
-        rows.append((text, int(row.get("output_len", output_len))))
+        output_len = row.get("output_len")
+        if output_len is not None and (
+            not isinstance(output_len, int) or isinstance(output_len, bool) or output_len < 1
+        ):
+            raise ValueError(
+                f'{path}:{line_no}: "output_len" is {output_len!r}; give a whole number of tokens '
+                "> 0, or leave it out to use --output-len"
+            )
+        rows.append(DatasetRow(text, output_len))
     if not rows:
         raise ValueError(f"{path}: no prompts in the file")
-    return [_prompt(tokenizer, *rows[i % len(rows)]) for i in range(num_prompts)]
+    return rows
 
 
-def sharegpt_prompts(
-    path: Path, tokenizer: Tokenizer | None, num_prompts: int, output_len: int
-) -> list[BenchPrompt]:
-    """The first human turn of each ShareGPT conversation, asking for `output_len` tokens (a fixed
-    length keeps runs comparable; the recorded answers' lengths vary with the sample)."""
+def sharegpt_rows(path: Path) -> list[DatasetRow]:
+    """The first human turn of each ShareGPT conversation, asking for the profile's output length
+    (a fixed length keeps runs comparable; the recorded answers' lengths vary with the sample)."""
     data = json.loads(path.read_text())
     if not isinstance(data, list):
         raise ValueError(f"{path}: a ShareGPT file is a JSON list of {{'conversations': [...]}}")
-    prompts = []
+    rows = []
     for entry in data:
         turns = entry.get("conversations", []) if isinstance(entry, dict) else []
         question = str(turns[0].get("value", "")) if turns else ""
         if question:
-            prompts.append(_prompt(tokenizer, question, output_len))
-        if len(prompts) == num_prompts:
-            break
-    if not prompts:
+            rows.append(DatasetRow(question, None))
+    if not rows:
         raise ValueError(f"{path}: no conversation with a first turn")
-    return prompts
+    return rows
 
 
-def load_prompts(
-    dataset: str,
-    tokenizer: Tokenizer | None,
-    num_prompts: int,
-    input_len: int,
-    output_len: int,
-    seed: int = 0,
-) -> list[BenchPrompt]:
-    """`random`, a `.jsonl` file or a ShareGPT `.json` file."""
+def prompt_sets(
+    dataset: str, tokenizer: Tokenizer | None, profiles: list[LoadProfile], seed: int
+) -> list[list[BenchPrompt]]:
+    """One prompt set per profile (`random`, a `.jsonl` or a ShareGPT `.json` file), no two sets
+    sharing a prompt, so a server's prefix cache cannot serve one set's prompts from another's.
+
+    Random set i is drawn with seed + i. A file's prompts are shuffled with the seed and dealt out
+    in order; when the file holds too few for every set to get its own, dealing starts over, and a
+    warning says so.
+    """
     if dataset == "random":
         if tokenizer is None:
             raise ValueError(
                 "random prompts of an exact input length need the model's tokenizer: "
                 "pass --tokenizer DIR (a checkpoint or artifact directory)"
             )
-        return random_prompts(tokenizer, num_prompts, input_len, output_len, seed)
+        return [
+            random_prompts(tokenizer, p.num_prompts, p.input_len, p.output_len, seed + i)
+            for i, p in enumerate(profiles)
+        ]
+    rows = _dataset_rows(dataset)
+    random.Random(seed).shuffle(rows)
+    needed = sum(p.num_prompts for p in profiles)
+    if needed > len(rows):
+        log.warning(
+            "--dataset %s holds %d prompts but this run sends %d (warm-up, every level and "
+            "repeat): prompts repeat, and a server's prefix cache serves repeats faster. Use a "
+            "larger dataset or fewer --num-prompts, --concurrency levels or --repeats.",
+            dataset,
+            len(rows),
+            needed,
+        )
+    dealt = itertools.cycle(rows)
+    return [
+        [
+            _prompt(tokenizer, row.text, row.output_len or p.output_len)
+            for row in itertools.islice(dealt, p.num_prompts)
+        ]
+        for p in profiles
+    ]
+
+
+def _dataset_rows(dataset: str) -> list[DatasetRow]:
     path = Path(dataset)
     if not path.is_file():
         raise ValueError(f"--dataset {dataset!r}: not 'random' and not a file")
     if path.suffix == ".jsonl":
-        return jsonl_prompts(path, tokenizer, num_prompts, output_len)
+        return jsonl_rows(path)
     if path.suffix == ".json":
-        return sharegpt_prompts(path, tokenizer, num_prompts, output_len)
+        return sharegpt_rows(path)
     raise ValueError(f"--dataset {dataset!r}: use 'random', a .jsonl file or a ShareGPT .json file")
 
 

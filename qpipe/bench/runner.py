@@ -1,14 +1,15 @@
 """Runs load profiles one after another against one endpoint and collects their figures.
 
-Shared by `qpipe bench` and the pipeline's bench stage. Each level gets its own prompts (the seed
-moves with the level) so a server's prefix cache cannot carry one level's prompts into the next.
+Shared by `qpipe bench` and the pipeline's bench stage. Each level and repeat gets its own prompts,
+and the warm-up one no level sends, so a server's prefix cache cannot carry one level's prompts into
+the next.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -16,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from qpipe.bench.client import RequestResult, Target, run_load, send_request
 from qpipe.bench.config import LoadProfile
-from qpipe.bench.dataset import BenchPrompt, Tokenizer, load_prompts
+from qpipe.bench.dataset import BenchPrompt, Tokenizer, prompt_sets
 from qpipe.bench.metrics import BenchMetrics, compute_metrics
 
 WARMUP_OUTPUT_LEN = 8
@@ -98,7 +99,15 @@ async def _run_all(
     tokenizer: Tokenizer | None,
     show_progress: bool,
 ) -> list[LevelResult]:
-    await _warm_up(target, options, tokenizer)
+    warm_up = LoadProfile(input_len=16, output_len=WARMUP_OUTPUT_LEN, concurrency=1, num_prompts=1)
+    if options.warmup:
+        # NOTE: the warm-up set comes first, with seed - 1: level i's random prompts keep seed + i.
+        (warm_up_prompts, *level_prompts) = _prompt_sets(
+            options, tokenizer, [warm_up, *profiles], options.seed - 1
+        )
+        await _warm_up(target, options, replace(warm_up_prompts[0], output_len=WARMUP_OUTPUT_LEN))
+    else:
+        level_prompts = _prompt_sets(options, tokenizer, profiles, options.seed)
     levels = []
     with Progress(
         TextColumn("[bold]{task.description}"),
@@ -108,8 +117,7 @@ async def _run_all(
         TimeElapsedColumn(),
         disable=not show_progress,
     ) as progress:
-        for index, profile in enumerate(profiles):
-            prompts = _prompts(options, tokenizer, profile, seed=options.seed + index)
+        for index, (profile, prompts) in enumerate(zip(profiles, level_prompts, strict=True)):
             task = progress.add_task(
                 f"concurrency {profile.concurrency}", total=len(prompts), failed=0
             )
@@ -139,32 +147,21 @@ async def _run_all(
     return levels
 
 
-def _prompts(
-    options: BenchOptions, tokenizer: Tokenizer | None, profile: LoadProfile, seed: int
-) -> list[BenchPrompt]:
+def _prompt_sets(
+    options: BenchOptions, tokenizer: Tokenizer | None, profiles: list[LoadProfile], seed: int
+) -> list[list[BenchPrompt]]:
     try:
-        return load_prompts(
-            options.dataset,
-            tokenizer,
-            profile.num_prompts,
-            profile.input_len,
-            profile.output_len,
-            seed,
-        )
+        return prompt_sets(options.dataset, tokenizer, profiles, seed)
     except (OSError, ValueError) as exc:
         raise BenchError(str(exc)) from exc
 
 
-async def _warm_up(target: Target, options: BenchOptions, tokenizer: Tokenizer | None) -> None:
+async def _warm_up(target: Target, options: BenchOptions, prompt: BenchPrompt) -> None:
     """A few short requests outside the timing: they load lazy kernels and, when they fail, stop the
     run with the server's own answer instead of a table of identical failures."""
-    if options.warmup == 0:
-        return
-    profile = LoadProfile(input_len=16, output_len=WARMUP_OUTPUT_LEN, concurrency=1, num_prompts=1)
-    prompts = _prompts(options, tokenizer, profile, seed=options.seed - 1)
     async with httpx.AsyncClient(timeout=httpx.Timeout(target.read_timeout_s, connect=10.0)) as c:
         for _ in range(options.warmup):
-            result = await send_request(c, target, prompts[0], tokenizer)
+            result = await send_request(c, target, prompt)
             if not result.success:
                 raise BenchError(
                     f"warm-up request to {target.url} (model {target.model!r}) failed: "

@@ -164,14 +164,17 @@ class BenchStage(Stage):
         hardware = hardware_string()
         regressions: list[str] = []
         run_ids = []
+        acceptable = True
         for label, summary in summaries.items():
             run_id = history.record(alias, hardware, label, summary)
             comparison = compare(history, history.get(run_id))
             regressions += [f"{label}: {line}" for line in comparison.describe()]
+            acceptable &= comparison.acceptable
             run_ids.append(run_id)
-        if gate.passed and not regressions:
+        if gate.passed and acceptable:
             for run_id in run_ids:
                 history.accept(run_id)
+        gate = _with_regressions(config, gate, regressions)
 
         (ctx.out_dir / "summary.json").write_text(
             json.dumps(
@@ -195,6 +198,29 @@ class BenchStage(Stage):
             for name in STAGE_METRICS:
                 metrics[f"{label}.{name}"] = summary[name]  # type: ignore[assignment]
         return StageResult(metrics=metrics, gate=gate)
+
+
+def _with_regressions(
+    config: BenchConfig, gate: GateVerdict, regressions: list[str]
+) -> GateVerdict:
+    """Regressions against the accepted baseline fail the gate only when the recipe asks
+    (bench.fail_on_regression); otherwise each is a warning on stderr: a slower run on a shared
+    box is information, but it must not pass in silence."""
+    from rich.markup import escape
+
+    from qpipe.console import console
+
+    if config.fail_on_regression:
+        failures = tuple(f"regressed: {line}" for line in regressions)
+        return GateVerdict(gate.passed and not failures, gate.failures + failures, gate.checked)
+    for line in regressions:
+        console.print(
+            f"[yellow]warning: bench regressed against the accepted baseline: {escape(line)} "
+            "(set bench.fail_on_regression: true to fail the run on it)[/]",
+            highlight=False,
+            soft_wrap=True,
+        )
+    return gate
 
 
 def artifact_alias(build_dir: Path, recipe: Recipe) -> str:
