@@ -270,6 +270,10 @@ def test_request_rate_spaces_arrivals(server: ScriptedServer) -> None:
     bursty = arrival_gaps(4000, request_rate=10.0, burstiness=0.25, seed=1)
     assert _cv(bursty) == pytest.approx(2.0, rel=0.2) and _cv(gaps) == pytest.approx(1.0, rel=0.1)
     assert arrival_gaps(3, None, 1.0, 0) == [0.0, 0.0, 0.0]
+    # the first request goes at once: a wait before it would be a duration with nothing to measure
+    assert (
+        gaps[0] == 0.0 and all(gap > 0 for gap in gaps[1:]) and arrival_gaps(0, 8.0, 1.0, 0) == []
+    )
     load = asyncio.run(
         run_load(Target(server.url("ok"), "m"), _prompts(8, 2), 8, request_rate=8.0, seed=3)
     )
