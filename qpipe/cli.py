@@ -323,16 +323,18 @@ def _exit_for(planned: list[PlannedStage], gates_allowed: bool) -> None:
 
 def _check_model_fit(recipe_path: Path, recipe: Recipe, pipeline: Any, forced: bool) -> None:
     """A group size the model cannot take, or a model a TensorRT-LLM checkpoint cannot hold, is
-    a recipe error (exit 2, file:line) before convert and calibrate spend minutes on it. Checked
-    only when quantize is to run: reading a GGUF header takes seconds, and a finished recipe's
-    re-run must stay instant."""
+    a recipe error (exit 2, file:line) before convert and calibrate spend minutes on it. A group
+    size is checked only when quantize is to run: reading a GGUF header takes seconds, and a
+    finished recipe's re-run must stay instant. Without groups `_model_problem` reads at most a
+    config.json (it skips a GGUF source), so no second plan is needed to decide."""
     from qpipe.quant.group_size import weight_group
     from qpipe.stages.base import StageError
     from qpipe.store.base import StoreError
 
-    if weight_group(recipe.quantization) is None and not _trtllm(recipe):
-        return  # no shape to check: no second plan of the stages
-    if not forced:
+    if weight_group(recipe.quantization) is None:
+        if not _trtllm(recipe):
+            return  # no shape to check
+    elif not forced:
         try:
             planned = pipeline.plan(until="quantize")
         except (StageError, StoreError):

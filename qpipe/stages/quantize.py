@@ -99,9 +99,10 @@ class QuantizeStage(Stage):
         from qpipe.quant.progress import stage_progress
         from qpipe.quant.quantize import quantize_checkpoint
 
+        config = json.loads((checkpoint / "config.json").read_text())
         try:
-            check_group_size(checkpoint, quant)
-            check_keep_16bit(json.loads((checkpoint / "config.json").read_text()), quant.keep_16bit)
+            check_group_size(config, quant)
+            check_keep_16bit(config, quant.keep_16bit)
         except GroupSizeError as exc:
             raise StageError(str(exc)) from exc
         except Keep16BitError as exc:
